@@ -1,0 +1,28 @@
+"""kimi_helix: Kimi-K3-style hybrid language models (KDA + MLA + sigmoid-routed MoE).
+
+Importing the package registers `KimiK3Config` ("kimi_k3") with AutoConfig, AutoModel and AutoModelForCausalLM,
+and routes Kimi-Linear checkpoints (`model_type: kimi_linear`) loaded through AutoModel/AutoModelForCausalLM to
+kimi_helix's implementation.
+"""
+
+from .modeling import (
+    CheckpointError,
+    KimiK3Cache,
+    KimiK3Config,
+    KimiK3ForCausalLM,
+    KimiK3Model,
+    KimiK3PreTrainedModel,
+)
+from .modeling.registration import register_auto_classes
+
+register_auto_classes()
+
+__version__ = "0.1.0"
+__all__ = [
+    "CheckpointError",
+    "KimiK3Cache",
+    "KimiK3Config",
+    "KimiK3ForCausalLM",
+    "KimiK3Model",
+    "KimiK3PreTrainedModel",
+]

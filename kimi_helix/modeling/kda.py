@@ -1,0 +1,80 @@
+"""Kimi Delta Attention (KDA): the gated delta-rule recurrent layer with a fixed-size state.
+
+Per token: q, k, v = SiLU(short causal conv(W x)); q and k L2-normalised; a per-channel forget gate
+`g = -exp(A_log) * softplus(f + dt_bias)` (K3: `lb * sigmoid(exp(A_log) * (f + dt_bias))`), `beta = sigmoid(b x)`;
+the delta rule `S = (I - beta k k^T) diag(exp g) S + beta k v^T`, `o = S^T q / sqrt(K)`; then a gated RMSNorm and
+`o_proj`. State per sequence: the last `W - 1` conv inputs of q, k and v, and the fp32 recurrent state [H, K, V].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.conv import causal_conv1d, causal_conv1d_update
+from ..kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda
+from .batch import ForwardBatch
+from .config import KimiK3Config
+from .layers import GatedRMSNorm
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA layer (`self_attn` of a linear-attention layer). Tensor names follow Kimi-Linear checkpoints."""
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = h = config.kda_num_heads
+        self.head_dim = k = config.kda_head_dim
+        self.conv_size = w = config.conv_kernel_size
+        self.gate_lower_bound = config.gate_lower_bound
+        d, p = config.hidden_size, h * k
+        self.q_proj = nn.Linear(d, p, bias=False)
+        self.k_proj = nn.Linear(d, p, bias=False)
+        self.v_proj = nn.Linear(d, p, bias=False)
+        # Weight holders only (the conv runs in `kernels.conv`): nn.Conv1d gives checkpoints' [P, 1, W] layout.
+        self.q_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
+        self.k_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
+        self.v_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
+        self.A_log = nn.Parameter(torch.empty(1, 1, h, 1))
+        self.dt_bias = nn.Parameter(torch.empty(p))
+        self.f_a_proj = nn.Linear(d, k, bias=False)
+        self.f_b_proj = nn.Linear(k, p, bias=False)
+        self.b_proj = nn.Linear(d, h, bias=False)
+        self.use_full_rank_gate = config.use_full_rank_gate
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(d, p, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, k, bias=False)
+            self.g_b_proj = nn.Linear(k, p, bias=False)
+        self.o_norm = GatedRMSNorm(k, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(p, d, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3P, W]: q, k and v conv weights stacked, so one conv (and one conv state) serves all three."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """x [T, d] packed tokens -> [T, d]. `cache.kda_state` gives this layer's states for the batch's sequences:
+        conv [N, W-1, 3P] and recurrent [N, H, K, V] fp32; `cache.set_kda_state` stores the updated ones."""
+        t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
+        conv_state, state = cache.kda_state(self.layer_idx, batch, like=x)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if batch.is_decode:
+            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight())
+        else:
+            qkv, conv_state = causal_conv1d(
+                qkv[None], self.conv_weight(), conv_state, output_final_state=True, cu_seqlens=batch.cu_seqlens
+            )
+            qkv = qkv[0]
+        q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, t, h, k), self.A_log, self.dt_bias,
+                     self.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())[None]
+        core = naive_recurrent_kda if batch.is_decode else naive_chunk_kda
+        o, state = core(q, k_, v, g, beta, initial_state=state, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
+        cache.set_kda_state(self.layer_idx, batch, conv_state, state)
+        gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o[0], gate.view(t, h, k))
+        return self.o_proj(o.reshape(t, h * k))

@@ -1,0 +1,145 @@
+"""Multi-head Latent Attention (MLA), with the compressed latent as its only cache.
+
+Per token the cache holds `c = kv_a_layernorm(kv_a_proj(x)[:r])` (r = kv_lora_rank) and the shared rope key
+`k_pe` (Kimi-Linear: never rotated), `r + rope` values (576) per MLA layer. Attention runs in one of two forms that
+compute the same function:
+
+- expanded: `kv_b_proj(c)` gives per-head `k_nope` and `v`; keys are `[k_nope, k_pe]`. Cheap per query when many
+  queries share the keys (prefill).
+- absorbed: `W_UK` is folded into the query (`q_lat = q_nope @ W_UK`), attention is MQA with one shared 576-d key
+  `[c, k_pe]` and value `c`, and `W_UV` maps the latent output back. Reads only the latent (decode).
+
+The softmax scale is `(qk_nope_head_dim + qk_rope_head_dim) ** -0.5` in both forms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import ForwardBatch
+from .config import KimiK3Config
+from .layers import RMSNorm, apply_rotary
+
+
+def softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention of one sequence, in fp32; the reference for every MLA kernel.
+
+    Args:
+        q: [Tq, H, D] queries; query j sits at position `q_offset + j` and sees keys `0 .. q_offset + j`.
+        k: [Tk, Hk, D] keys, Hk in {1, H} (1: shared across heads, as in absorbed MLA).
+        v: [Tk, Hk, Dv] values.
+    Returns:
+        out [Tq, H, Dv] in q's dtype and lse [Tq, H] (fp32, natural log; -inf where no key is visible).
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().expand(tk, q.shape[1], -1)) * scale
+    visible = torch.arange(tk, device=q.device)[None, :] <= (q_offset + torch.arange(tq, device=q.device))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hqk,khd->qhd", probs, v.float().expand(tk, q.shape[1], -1))
+    return out.to(q.dtype), lse.transpose(0, 1)
+
+
+def mla_expanded(
+    q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, v_dim: int, scale: float, q_offset: int
+) -> torch.Tensor:
+    """Expanded-form MLA of one sequence.
+
+    Args:
+        q: [Tq, H, nope + rope] queries (rope part already rotated if RoPE is on).
+        latent: [Tk, r + rope] cached latents `[c, k_pe]`.
+        kv_b_weight: [H * (nope + v_dim), r].
+    Returns:
+        [Tq, H, v_dim].
+    """
+    h = q.shape[1]
+    r = kv_b_weight.shape[1]
+    c, k_pe = latent[:, :r], latent[:, r:]
+    kv = F.linear(c, kv_b_weight).view(-1, h, nope + v_dim)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
+    return softmax_attention(q, k, v, scale, q_offset)[0]
+
+
+def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, v_dim: int) -> torch.Tensor:
+    """Map `q_nope` [T, H, nope] into the latent space: [T, H, r] (`q_nope @ W_UK` per head)."""
+    h = q_nope.shape[1]
+    w = kv_b_weight.view(h, nope + v_dim, -1)
+    return torch.einsum("thd,hdr->thr", q_nope, w[:, :nope])
+
+
+def unabsorb_output(o_latent: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, v_dim: int) -> torch.Tensor:
+    """Map the latent attention output [T, H, r] to per-head values [T, H, v_dim] (`o @ W_UV^T`)."""
+    h = o_latent.shape[1]
+    w = kv_b_weight.view(h, nope + v_dim, -1)
+    return torch.einsum("thr,hvr->thv", o_latent, w[:, nope:])
+
+
+def mla_absorbed(
+    q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, v_dim: int, scale: float, q_offset: int
+) -> torch.Tensor:
+    """Weight-absorbed MLA of one sequence: MQA over the latent. Same arguments and result as `mla_expanded`."""
+    r = kv_b_weight.shape[1]
+    q_lat = torch.cat([absorb_query(q[..., :nope], kv_b_weight, nope, v_dim), q[..., nope:]], dim=-1)
+    o_lat, _ = softmax_attention(q_lat, latent[:, None, :], latent[:, None, :r], scale, q_offset)
+    return unabsorb_output(o_lat, kv_b_weight, nope, v_dim)
+
+
+class MLAttention(nn.Module):
+    """MLA layer (`self_attn` of a full-attention layer). Tensor names follow Kimi-Linear checkpoints."""
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.nope = config.qk_nope_head_dim
+        self.rope = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.use_rope = not config.mla_use_nope
+        self.rope_theta = config.rope_theta
+        self.scale = (self.nope + self.rope) ** -0.5
+        d, h = config.hidden_size, self.num_heads
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * (self.nope + self.rope), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank)  # eps 1e-6, as in Kimi/DeepSeek
+            self.q_b_proj = nn.Linear(config.q_lora_rank, h * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(d, h * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, H, nope + rope] and new cache latents [T, r + rope] for packed tokens x [T, d]."""
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        if self.use_rope:
+            q = torch.cat([q[..., : self.nope], apply_rotary(q[..., self.nope :], positions, self.rope_theta)], -1)
+            k_pe = apply_rotary(k_pe, positions, self.rope_theta)
+        return q, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """x [T, d] packed tokens -> [T, d]. `cache.append_mla` stores the new latents and returns each
+        sequence's full context."""
+        q, latent = self.project(x, batch.positions)
+        contexts = cache.append_mla(self.layer_idx, latent, batch)
+        # Decode reads only the latent; prefill expands it once for all its queries.
+        attend = mla_absorbed if batch.is_decode else mla_expanded
+        outs = []
+        for q_seq, ctx in zip(q.split(batch.seq_lens), contexts):
+            offset = ctx.shape[0] - q_seq.shape[0]
+            outs.append(attend(q_seq, ctx, self.kv_b_proj.weight, self.nope, self.v_dim, self.scale, offset))
+        o = torch.cat(outs).reshape(x.shape[0], -1)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

@@ -1,0 +1,212 @@
+"""`KimiK3Model` and `KimiK3ForCausalLM`: the hybrid decoder as Hugging Face models.
+
+Inputs arrive as `[B, T]` (optionally left-padded, with a 2-D `attention_mask`); the model drops the padding and
+runs every layer on packed tokens described by a `ForwardBatch`. The cache (`KimiK3Cache` here, the engine's paged
+cache elsewhere) is passed to the layers explicitly; nothing is global.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .batch import ForwardBatch
+from .cache import KimiK3Cache
+from .config import FULL_ATTENTION, KimiK3Config
+from .kda import KimiDeltaAttention
+from .layers import GatedRMSNorm, RMSNorm, SwiGLU
+from .mla import MLAttention
+from .moe import RoutedExperts, SparseMoE, TopkRouter
+
+
+class KimiK3DecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; attn is MLA or KDA, mlp is dense or MoE."""
+
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.is_mla = config.layer_types[layer_idx] == FULL_ATTENTION
+        self.self_attn = MLAttention(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = SparseMoE(config)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return x + ffn(self.post_attention_layernorm(x))
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config_class = KimiK3Config
+    base_model_prefix = "model"
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    # Recurrent state cannot be cropped, so HF must not build a DynamicCache or try assisted decoding.
+    _is_stateful = True
+    # Loaded in fp32 whatever the model dtype: routing and gate parameters are precision-sensitive.
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, nn.Conv1d):
+            bound = 1.0 / math.sqrt(module.weight.shape[-1])
+            init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, KimiDeltaAttention):
+            # fla's initialisation: decay rates in [1, 16], dt in [1e-3, 1e-1] stored as inverse softplus.
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        elif isinstance(module, TopkRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, RoutedExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a local checkpoint directory (safetensors only; `kimi_k3` or Kimi-Linear's `kimi_linear`).
+
+        Keyword args: `config`, `dtype` (a torch dtype, its name, or "auto" for the checkpoint's; `torch_dtype`
+        is accepted too) and `device` / `device_map` (a single device). Raises `CheckpointError` naming any
+        missing, unexpected or wrong-shape tensor.
+        """
+        from .checkpoint import load_pretrained
+
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
+        return load_pretrained(cls, pretrained_model_name_or_path, **kwargs)
+
+    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", **kwargs) -> None:
+        """Write config.json, generation_config.json and sharded safetensors in the Kimi-Linear tensor layout."""
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size, **kwargs)
+
+
+class KimiK3Model(KimiK3PreTrainedModel):
+    """Embeddings, decoder layers and the final norm; returns hidden states."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def forward_packed(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """Run all layers on packed embeddings x [T, d]; the entry point the engine shares."""
+        for layer in self.layers:
+            x = layer(x, batch, cache)
+        return self.norm(x)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: KimiK3Cache | None = None,
+        past_key_values: KimiK3Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """input_ids [B, T] (or inputs_embeds [B, T, d]); attention_mask [B, past + T] with 0 on padding.
+
+        transformers >= 5.24 passes the cache as `cache=`, older versions as `past_key_values=`; both work.
+        `position_ids` are ignored: positions follow from the cache length and the mask.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] and inputs_embeds [B, T, d]")
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        bsz, t = embeds.shape[:2]
+        if cache is None and use_cache:
+            cache = KimiK3Cache(self.config, bsz)
+        work_cache = cache if cache is not None else KimiK3Cache(self.config, bsz)
+
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != bsz or attention_mask.shape[1] < t:
+                raise ValueError(
+                    f"attention_mask must be [B, past + T] = [{bsz}, >= {t}] of 0/1, got {tuple(attention_mask.shape)}"
+                )
+            keep = attention_mask[:, -t:].bool()
+        else:
+            keep = torch.ones(bsz, t, dtype=torch.bool, device=embeds.device)
+        seq_lens = keep.sum(dim=1).tolist()
+        batch = ForwardBatch.build(seq_lens, list(work_cache.seq_lens), embeds.device)
+
+        hidden = self.forward_packed(embeds[keep], batch, work_cache)
+        work_cache.commit(batch)
+        out = hidden.new_zeros(bsz, t, hidden.shape[-1])
+        out[keep] = hidden
+        return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=cache if use_cache else None)
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    """`KimiK3Model` plus the LM head; HF `generate()` works with the model's own `KimiK3Cache`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        self.model = KimiK3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: KimiK3Cache | None = None,
+        past_key_values: KimiK3Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Logits [B, T, V] (or of the last `logits_to_keep` positions); loss if `labels` [B, T] are given."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
