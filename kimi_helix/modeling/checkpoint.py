@@ -34,6 +34,15 @@ _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate_proj|
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
+# Hub and loader options that mean nothing for a local safetensors directory (AutoModel passes several); remote
+# code is never run, whatever `trust_remote_code` says.
+_IGNORED_LOAD_KWARGS = (
+    "revision", "adapter_kwargs", "cache_dir", "force_download", "proxies", "token", "code_revision", "_from_auto",
+    "_commit_hash", "local_files_only", "low_cpu_mem_usage", "use_safetensors", "trust_remote_code",
+    "attn_implementation",
+)
+
+
 class CheckpointError(ValueError):
     """A checkpoint does not match the model its config describes."""
 
@@ -165,12 +174,12 @@ def load_pretrained(
     cls, path, *, config=None, dtype=None, torch_dtype=None, device=None, device_map=None, **kwargs
 ) -> nn.Module:
     """Build `cls` from a local checkpoint directory; see `KimiK3PreTrainedModel.from_pretrained`."""
-    kwargs.pop("trust_remote_code", None)  # never runs remote code either way
-    for harmless in ("low_cpu_mem_usage", "local_files_only", "use_safetensors"):
-        kwargs.pop(harmless, None)
+    subfolder = kwargs.pop("subfolder", "") or ""
+    for name in _IGNORED_LOAD_KWARGS:
+        kwargs.pop(name, None)
     if kwargs:
         raise TypeError(f"{cls.__name__}.from_pretrained got unsupported arguments: {sorted(kwargs)}")
-    path = _resolve_dir(path)
+    path = _resolve_dir(Path(path) / subfolder)
     if not isinstance(config, KimiK3Config):
         config = _read_config(path)  # also when given transformers' own KimiLinearConfig
     files = _shard_files(path)

@@ -23,6 +23,9 @@ from .layers import GatedRMSNorm, RMSNorm, SwiGLU
 from .mla import MLAttention
 from .moe import RoutedExperts, SparseMoE, TopkRouter
 
+# transformers 5.24 renamed the outputs' `past_key_values` to `cache` (and `generate()` reads that name).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 class KimiK3DecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; attn is MLA or KDA, mlp is dense or MoE."""
@@ -158,7 +161,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         work_cache.commit(batch)
         out = hidden.new_zeros(bsz, t, hidden.shape[-1])
         out[keep] = hidden
-        return BaseModelOutputWithPast(last_hidden_state=out, past_key_values=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=out, **{_CACHE_FIELD: cache if use_cache else None})
 
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
@@ -209,4 +212,4 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: outputs[_CACHE_FIELD]})

@@ -1,0 +1,281 @@
+"""The `kimi-helix` command: list presets, write a random-weight checkpoint, generate text, print a model's sizes.
+
+    kimi-helix presets
+    kimi-helix init --preset tiny --out ckpt/
+    kimi-helix generate --model ckpt/ --prompt "Hello"
+    kimi-helix info --preset kimi-linear-48b-a3b
+
+Bad input (an unknown preset, a non-empty output folder, a folder with no checkpoint) prints one line on stderr and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from kimi_helix.modeling.accounting import (
+    count_parameters,
+    kda_state_bytes_per_sequence,
+    layer_pattern,
+    mla_cache_bytes_per_token,
+    n_kda_layers,
+)
+from kimi_helix.modeling.checkpoint import SUPPORTED_MODEL_TYPES, CheckpointError
+from kimi_helix.modeling.config import KimiK3Config
+from kimi_helix.modeling.model import KimiK3ForCausalLM
+from kimi_helix.presets import PRESETS, get_preset
+from kimi_helix.tokenizer import build_byte_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# A random model emits arbitrary bytes; escape the control characters so they cannot drive the terminal.
+_ESCAPE_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+class UsageError(Exception):
+    """Bad user input: `main` prints the message on stderr and returns 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default `sys.argv[1:]`); return the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage error or the help
+        return int(exit_.code or 0)
+    try:
+        args.run(args)
+    except UsageError as err:
+        print(f"kimi-helix: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimi-helix", description="Kimi-K3-style hybrid (KDA + MLA + MoE) models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    presets = list(PRESETS)
+
+    p = commands.add_parser("presets", help="list the built-in model configurations")
+    p.set_defaults(run=_cmd_presets)
+
+    p = commands.add_parser("init", help="write a random-weight checkpoint and the byte tokenizer to a folder")
+    p.add_argument("--preset", required=True, choices=presets)
+    p.add_argument("--out", required=True, type=Path, metavar="DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
+    p.set_defaults(run=_cmd_init)
+
+    p = commands.add_parser(
+        "generate",
+        help="continue a prompt",
+        description="Continue a prompt. With neither --model nor --preset, a random 'tiny' model is made on the fly.",
+    )
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (config, weights, tokenizer)")
+    source.add_argument("--preset", choices=presets, help="a random-weight model of this preset")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's dtype; float32 for a preset")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.set_defaults(run=_cmd_generate)
+
+    p = commands.add_parser("info", help="parameter counts, layer layout, cache and state sizes; loads no weights")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (only config.json is read)")
+    source.add_argument("--preset", choices=presets)
+    p.set_defaults(run=_cmd_info)
+    return parser
+
+
+# ---------------------------------------------------------------- commands
+def _cmd_presets(args: argparse.Namespace) -> None:
+    rows = [("name", "layers", "hidden", "MLA heads", "experts", "params (total / active)")]
+    for name in PRESETS:
+        c = get_preset(name)
+        total, active = count_parameters(c)
+        n_kda = n_kda_layers(c)
+        rows.append(
+            (
+                name,
+                f"{c.num_hidden_layers} ({n_kda} KDA + {c.num_hidden_layers - n_kda} MLA)",
+                str(c.hidden_size),
+                str(c.num_attention_heads),
+                f"{c.num_experts} top-{c.num_experts_per_token} +{c.num_shared_experts} shared",
+                f"{_count(total)} / {_count(active)}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _cmd_init(args: argparse.Namespace) -> None:
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        raise UsageError(f"--out {out} is not empty; pass --force to write into it")
+    model = _random_model(get_preset(args.preset), args.seed, DTYPES[args.dtype], torch.device("cpu"))
+    model.save_pretrained(out)
+    build_byte_tokenizer().save_pretrained(out)
+    print(f"wrote a random {args.preset} checkpoint ({args.dtype}, seed {args.seed}) and the byte tokenizer to {out}")
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    device = _device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+
+    if args.model is not None:
+        model, tokenizer = _load_checkpoint(args.model, dtype, device)
+    else:
+        if args.preset is None:
+            print(
+                "kimi-helix: no --model or --preset given; using a randomly initialised 'tiny' model, so the "
+                "continuation is noise",
+                file=sys.stderr,
+            )
+        model = _random_model(get_preset(args.preset or "tiny"), args.seed, dtype or torch.float32, device)
+        tokenizer = build_byte_tokenizer()
+
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    if input_ids.shape[1] == 0:
+        raise UsageError("--prompt must not be empty")
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+    torch.manual_seed(args.seed)  # sampling draws from the global generator
+    output = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=args.max_new_tokens,
+        **(sampling if args.temperature > 0 else {"do_sample": False}),
+    )
+    text = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
+    print(text.translate(_ESCAPE_CONTROLS))
+
+
+def _cmd_info(args: argparse.Namespace) -> None:
+    if args.model is not None:
+        config = _read_config(args.model)
+        source = f"{args.model} (config.json)"
+    else:
+        config = get_preset(args.preset)
+        source = f"{args.preset} (preset)"
+    total, active = count_parameters(config)
+    n_layers, n_kda = config.num_hidden_layers, n_kda_layers(config)
+    n_moe = sum(config.is_moe_layer(i) for i in range(n_layers))
+    h, k = config.kda_num_heads, config.kda_head_dim
+    pattern = layer_pattern(config).replace("\n", "\n" + " " * 13)
+    print(f"model        {source}")
+    print(f"parameters   {_count(total)} total ({total:,}), {_count(active)} active per token ({active:,})")
+    print(
+        f"layers       {n_layers} = {n_kda} KDA + {n_layers - n_kda} MLA; {n_layers - n_moe} dense MLP + {n_moe} MoE "
+        f"({config.num_experts} experts, top-{config.num_experts_per_token}, {config.num_shared_experts} shared)"
+    )
+    print(f"pattern      {pattern}")
+    print(
+        f"MLA cache    {_bytes(mla_cache_bytes_per_token(config))} per token "
+        f"(bf16 latent {config.kv_lora_rank} + rope key {config.qk_rope_head_dim} per MLA layer)"
+    )
+    print(
+        f"KDA state    {_bytes(kda_state_bytes_per_sequence(config))} per sequence "
+        f"(fp32 state {h}x{k}x{k} + bf16 conv {3 * h * k}x{config.conv_kernel_size - 1} per KDA layer)"
+    )
+
+
+# ---------------------------------------------------------------- helpers
+def _random_model(config: KimiK3Config, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A randomly initialised model in `dtype` on `device`; one that cannot fit in that device's memory is refused
+    before anything is allocated."""
+    total, _ = count_parameters(config)
+    need = total * dtype.itemsize
+    have = _memory_bytes(device)
+    if need > have:
+        raise UsageError(
+            f"{_count(total)} parameters in {str(dtype).removeprefix('torch.')} need {_bytes(need)}, more than the "
+            f"{_bytes(have)} of {device.type} memory here"
+        )
+    torch.manual_seed(seed)
+    with device:  # initialise in place: a model that fits on the GPU need not fit in host memory too
+        return KimiK3ForCausalLM._from_config(config, dtype=dtype).eval()
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device):
+    _read_config(path)  # fail on a missing or bad config.json before loading anything
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--model {path}: no tokenizer that loads without remote code ({err})") from err
+    try:
+        model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+    except CheckpointError as err:
+        raise UsageError(f"--model {path}: {err}") from err
+    return model.eval(), tokenizer
+
+
+def _read_config(path: Path) -> KimiK3Config:
+    """Read `path/config.json` of a `kimi_k3` or Kimi-Linear (`kimi_linear`) checkpoint."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise UsageError(f"--model {path}: no config.json there")
+    try:
+        raw = json.loads(file.read_text())
+        model_type = raw.pop("model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        # from_dict, not from_pretrained: the latter warns when model_type is Kimi-Linear's.
+        return KimiK3Config.from_dict(raw)
+    except ValueError as err:  # bad JSON, an unsupported model type or a field the config rejects
+        raise UsageError(f"--model {file}: {err}") from err
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UsageError(f"--device {name!r} is not a device (try cpu, cuda, cuda:1)") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+def _count(n: int) -> str:
+    """49122681728 -> '49.12B'."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    """8064 -> '8,064 B (7.9 KiB)'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n:,} B ({n / scale:.1f} {unit})"
+    return f"{n:,} B"

@@ -1,0 +1,1 @@
+"""Compute kernels (pure-torch references and Triton implementations) for Kimi-style hybrid models."""

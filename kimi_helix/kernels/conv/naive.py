@@ -1,0 +1,142 @@
+"""Pure-PyTorch references for the short causal depthwise convolution used by KDA (fla ``ShortConvolution``).
+
+Layouts are token-major: inputs ``[B, T, D]``, weights ``[D, W]``, and the cache ``[N, W - 1, D]`` holds the
+previous ``W - 1`` raw inputs, oldest first, in the input dtype. Packed variable-length input has ``B == 1`` and
+``cu_seqlens`` ``[N + 1]``. Maths runs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d", "causal_conv1d_update"]
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def _check_weight(weight: torch.Tensor, D: int) -> int:
+    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [D, W]=[{D}, W] with W >= 1, got {list(weight.shape)}")
+    return weight.shape[1]
+
+
+def _check_state(name: str, state: torch.Tensor, N: int, W: int, D: int) -> None:
+    if tuple(state.shape) != (N, W - 1, D):
+        raise ValueError(f"{name} must have shape [N, W-1, D]=[{N}, {W - 1}, {D}], got {list(state.shape)}")
+
+
+def _segments(cu_seqlens: torch.Tensor, B: int, T: int) -> list[tuple[int, int]]:
+    if B != 1:
+        raise ValueError(f"cu_seqlens requires batch size 1 (packed input x [1, total_T, D]), got B={B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
+            f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+        )
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
+    """x [n, L, D] fp32; w [D, W] fp32; state [n, W-1, D] or None -> (pre-activation y [n, L, D], xs [n, W-1+L, D])."""
+    n, L, D = x.shape
+    W = w.shape[1]
+    if state is None:
+        state = x.new_zeros(n, W - 1, D)
+    xs = torch.cat([state.float(), x], dim=1)
+    if L == 0:  # F.conv1d rejects an input shorter than the kernel
+        return x.new_empty(n, 0, D), xs
+    y = F.conv1d(xs.transpose(1, 2), w.unsqueeze(1), groups=D).transpose(1, 2)
+    return y, xs
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv (no bias) followed by an optional SiLU.
+
+    ``y[t] = act(sum_{j<W} weight[:, j] * x[t - (W - 1) + j])``, with inputs before a sequence start taken from
+    its initial state (zeros when absent).
+
+    Args:
+        x: ``[B, T, D]``.
+        weight: ``[D, W]`` (an ``nn.Conv1d(groups=D)`` weight ``[D, 1, W]`` squeezed).
+        initial_state: ``[N, W - 1, D]``, the previous ``W - 1`` inputs of each sequence, oldest first; N = B, or
+            the number of packed sequences.
+        output_final_state: also return the cache after the last token.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of a packed ``B == 1`` input; each sequence is convolved on
+            its own.
+        activation: ``"silu"`` (alias ``"swish"``) or None.
+
+    Returns:
+        ``(y [B, T, D] in x.dtype, final_state [N, W - 1, D] in x.dtype or None)``. The final state holds the last
+        ``W - 1`` inputs of each sequence, topped up from the initial state (or zeros) for short sequences.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
+    B, T, D = x.shape
+    W = _check_weight(weight, D)
+    _activate(x.new_zeros(()), activation)  # reject a bad activation before doing any work
+    segs = None if cu_seqlens is None else _segments(cu_seqlens, B, T)
+    N = B if segs is None else len(segs)
+    if initial_state is not None:
+        _check_state("initial_state", initial_state, N, W, D)
+
+    xf, wf = x.float(), weight.float()
+    if segs is None:
+        y, xs = _conv_batch(xf, wf, initial_state)
+        finals = xs[:, xs.shape[1] - (W - 1) :]
+    else:
+        ys, final_list = [], []
+        for n, (s, e) in enumerate(segs):
+            st = None if initial_state is None else initial_state[n : n + 1]
+            y_n, xs = _conv_batch(xf[:, s:e], wf, st)
+            ys.append(y_n)
+            # slice from the start index, because xs[:, -0:] would be the whole tensor when W == 1
+            final_list.append(xs[:, xs.shape[1] - (W - 1) :])
+        y, finals = torch.cat(ys, dim=1), torch.cat(final_list, dim=0)
+    y = _activate(y, activation).to(x.dtype)
+    return y, finals.to(x.dtype) if output_final_state else None
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode step of :func:`causal_conv1d` for N sequences.
+
+    Args:
+        x: ``[N, D]``, the new input of each sequence.
+        conv_state: ``[N, W - 1, D]``, updated IN PLACE: the oldest input is dropped and ``x`` appended.
+        weight: ``[D, W]``.
+        activation: ``"silu"`` (alias ``"swish"``) or None.
+
+    Returns:
+        ``y [N, D]`` in x.dtype.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
+    N, D = x.shape
+    W = _check_weight(weight, D)
+    _check_state("conv_state", conv_state, N, W, D)
+    window = torch.cat([conv_state.float(), x.float().unsqueeze(1)], dim=1)  # [N, W, D], oldest first
+    y = torch.einsum("nwd,dw->nd", window, weight.float())
+    y = _activate(y, activation).to(x.dtype)
+    conv_state.copy_(window[:, 1:])
+    return y
