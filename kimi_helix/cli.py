@@ -227,7 +227,9 @@ def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise UsageError(f"--model {path}: no tokenizer that loads without remote code ({err})") from err
+        raise UsageError(
+            f"--model {path}: its tokenizer does not load (kimi-helix runs no remote code): {err}"
+        ) from err
     try:
         model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
     except CheckpointError as err:

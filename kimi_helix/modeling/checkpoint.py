@@ -37,8 +37,19 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 # Hub and loader options that mean nothing for a local safetensors directory (AutoModel passes several); remote
 # code is never run, whatever `trust_remote_code` says.
 _IGNORED_LOAD_KWARGS = (
-    "revision", "adapter_kwargs", "cache_dir", "force_download", "proxies", "token", "code_revision", "_from_auto",
-    "_commit_hash", "local_files_only", "low_cpu_mem_usage", "use_safetensors", "trust_remote_code",
+    "revision",
+    "adapter_kwargs",
+    "cache_dir",
+    "force_download",
+    "proxies",
+    "token",
+    "code_revision",
+    "_from_auto",
+    "_commit_hash",
+    "local_files_only",
+    "low_cpu_mem_usage",
+    "use_safetensors",
+    "trust_remote_code",
     "attn_implementation",
 )
 
@@ -199,7 +210,7 @@ def load_pretrained(
     with torch.no_grad():
         for file in files:
             with safe_open(file, "pt", device="cpu") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     target = disk_to_memory(key, params)
                     if target is None:
                         if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -250,10 +261,14 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size: int | str 
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
     state = memory_to_disk({k: v.detach() for k, v in _own_params(model).items()})
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(
+        state, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
+    )
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n].cpu() for n in names}, out / filename, metadata={"format": "pt"})
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": split.tensor_to_filename,
+        }
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

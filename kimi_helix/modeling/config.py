@@ -113,8 +113,11 @@ class KimiK3Config(PretrainedConfig):
     ):
         # transformers' native KimiLinearConfig saves its derived fields flat; fold them back in.
         lac = dict(linear_attn_config or {})
-        for flat, key in (("linear_num_heads", "num_heads"), ("linear_head_dim", "head_dim"),
-                          ("linear_conv_kernel_dim", "short_conv_kernel_size")):
+        for flat, key in (
+            ("linear_num_heads", "num_heads"),
+            ("linear_head_dim", "head_dim"),
+            ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+        ):
             if flat in kwargs:
                 lac.setdefault(key, kwargs.pop(flat))
         layer_types = kwargs.pop("layer_types", None)
@@ -182,7 +185,9 @@ class KimiK3Config(PretrainedConfig):
             **kwargs,
         )
         if rope_scaling is not None:
-            raise ValueError(f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}")
+            raise ValueError(
+                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
+            )
         self.validate_fields()
 
     # ---------------------------------------------------------------- derived values
@@ -232,8 +237,16 @@ class KimiK3Config(PretrainedConfig):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KimiK3Config.{name} must be a positive int, got {value!r}")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "qk_nope_head_dim", "v_head_dim", "intermediate_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "intermediate_size",
+        ):
             positive(name, getattr(self, name))
         if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
             raise ValueError(f"KimiK3Config.qk_rope_head_dim must be an int >= 0, got {self.qk_rope_head_dim!r}")
@@ -290,8 +303,14 @@ class KimiK3Config(PretrainedConfig):
     def _validate_moe(self) -> None:
         if self.num_experts == 0:
             return
-        for name in ("num_experts", "num_experts_per_token", "moe_intermediate_size", "num_expert_group",
-                     "topk_group", "moe_layer_freq"):
+        for name in (
+            "num_experts",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+            "num_expert_group",
+            "topk_group",
+            "moe_layer_freq",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"KimiK3Config.{name} must be a positive int, got {v!r}")

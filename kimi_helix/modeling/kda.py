@@ -68,12 +68,20 @@ class KimiDeltaAttention(nn.Module):
             )
             qkv = qkv[0]
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, t, h, k), self.A_log, self.dt_bias,
-                     self.gate_lower_bound)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())[None]
         core = naive_recurrent_kda if batch.is_decode else naive_chunk_kda
-        o, state = core(q, k_, v, g, beta, initial_state=state, output_final_state=True,
-                        use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
+        o, state = core(
+            q,
+            k_,
+            v,
+            g,
+            beta,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=batch.cu_seqlens,
+        )
         cache.set_kda_state(self.layer_idx, batch, conv_state, state)
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o[0], gate.view(t, h, k))

@@ -1,14 +1,14 @@
 """Registration with transformers' Auto classes.
 
-`kimi_k3` maps to our classes. Kimi-Linear checkpoints (`kimi_linear`) map to thin subclasses whose config class
-is named `KimiLinearConfig`, which is how transformers' AutoModel keys its table: from transformers 5.17 the name
-`kimi_linear` belongs to transformers' own config, and AutoModel*.register only accepts a model whose config
-class has that name.
+`kimi_k3` maps to our classes. `kimi_linear` (Kimi-Linear checkpoints) maps to thin subclasses whose config reads
+a Kimi-Linear `config.json` as a `KimiK3Config`. From transformers 5.17 `kimi_linear` also names transformers' own
+config, and AutoModel*.register silently ignores (5.17) or needs `exist_ok` for (5.24) a transformers config
+class; overriding the AutoConfig entry works the same on every version.
 """
 
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, CONFIG_MAPPING
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .config import KimiK3Config
 from .model import KimiK3ForCausalLM, KimiK3Model
@@ -18,6 +18,11 @@ class KimiLinearConfig(KimiK3Config):
     """A Kimi-Linear `config.json` read as a `KimiK3Config`."""
 
     model_type = "kimi_linear"
+
+    # transformers turns a config subclass without its own __init__ into a dataclass and generates one, which
+    # would skip KimiK3Config's parsing; this keeps it.
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
 
 
 class KimiLinearModel(KimiK3Model):
@@ -29,13 +34,11 @@ class KimiLinearForCausalLM(KimiK3ForCausalLM):
 
 
 def register_auto_classes() -> None:
-    AutoConfig.register("kimi_k3", KimiK3Config, exist_ok=True)
-    AutoModel.register(KimiK3Config, KimiK3Model, exist_ok=True)
-    AutoModelForCausalLM.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
-    if "kimi_linear" in CONFIG_MAPPING:
-        linear_config = CONFIG_MAPPING["kimi_linear"]  # transformers' own class
-    else:
-        AutoConfig.register("kimi_linear", KimiLinearConfig, exist_ok=True)
-        linear_config = KimiLinearConfig
-    AutoModel.register(linear_config, KimiLinearModel, exist_ok=True)
-    AutoModelForCausalLM.register(linear_config, KimiLinearForCausalLM, exist_ok=True)
+    """Route `kimi_k3` and `kimi_linear` checkpoints loaded through the Auto classes to kimi_helix."""
+    for config, model, causal_lm in (
+        (KimiK3Config, KimiK3Model, KimiK3ForCausalLM),
+        (KimiLinearConfig, KimiLinearModel, KimiLinearForCausalLM),
+    ):
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModel.register(config, model, exist_ok=True)
+        AutoModelForCausalLM.register(config, causal_lm, exist_ok=True)

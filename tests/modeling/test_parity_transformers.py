@@ -18,15 +18,30 @@ transformers_kimi = pytest.importorskip("transformers.models.kimi_linear.modelin
 CASES = {
     "kda-kda-mla-kda": dict(),
     "mla-first-qlora": dict(
-        num_hidden_layers=3, q_lora_rank=24,
-        linear_attn_config={"kda_layers": [2, 3], "full_attn_layers": [1], "num_heads": 2, "head_dim": 16,
-                            "short_conv_kernel_size": 4},
+        num_hidden_layers=3,
+        q_lora_rank=24,
+        linear_attn_config={
+            "kda_layers": [2, 3],
+            "full_attn_layers": [1],
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
     ),
     "two-mla-dense2-grouped": dict(
-        num_hidden_layers=5, first_k_dense_replace=2, num_expert_group=2, topk_group=1, num_experts_per_token=3,
+        num_hidden_layers=5,
+        first_k_dense_replace=2,
+        num_expert_group=2,
+        topk_group=1,
+        num_experts_per_token=3,
         num_shared_experts=2,
-        linear_attn_config={"kda_layers": [1, 3, 4], "full_attn_layers": [2, 5], "num_heads": 3, "head_dim": 8,
-                            "short_conv_kernel_size": 3},
+        linear_attn_config={
+            "kda_layers": [1, 3, 4],
+            "full_attn_layers": [2, 5],
+            "num_heads": 3,
+            "head_dim": 8,
+            "short_conv_kernel_size": 3,
+        },
     ),
 }
 
