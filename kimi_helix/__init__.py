@@ -5,6 +5,8 @@ and routes Kimi-Linear checkpoints (`model_type: kimi_linear`) loaded through Au
 kimi_helix's implementation.
 """
 
+from .engine import LLM, SamplingParams
+from .engine.planner import plan_memory
 from .modeling import (
     CheckpointError,
     KimiK3Cache,
@@ -19,6 +21,9 @@ register_auto_classes()
 
 __version__ = "0.1.0"
 __all__ = [
+    "LLM",
+    "SamplingParams",
+    "plan_memory",
     "CheckpointError",
     "KimiK3Cache",
     "KimiK3Config",

@@ -1,9 +1,11 @@
-"""The `kimi-helix` command: list presets, write a random-weight checkpoint, generate text, print a model's sizes.
+"""The `kimi-helix` command: list presets, write a random-weight checkpoint, generate text, print a model's sizes,
+plan a GPU's memory.
 
     kimi-helix presets
     kimi-helix init --preset tiny --out ckpt/
     kimi-helix generate --model ckpt/ --prompt "Hello"
     kimi-helix info --preset kimi-linear-48b-a3b
+    kimi-helix plan --preset kimi-linear-48b-a3b --gpu-mem 141GB --tp 2 --cp 2
 
 Bad input (an unknown preset, a non-empty output folder, a folder with no checkpoint) prints one line on stderr and
 exits with status 2.
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -32,6 +35,9 @@ from kimi_helix.modeling.config import KimiK3Config
 from kimi_helix.modeling.model import KimiK3ForCausalLM
 from kimi_helix.presets import PRESETS, get_preset
 from kimi_helix.tokenizer import build_byte_tokenizer
+
+if TYPE_CHECKING:
+    from kimi_helix.engine.planner import MemoryPlan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,6 +102,28 @@ def _build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (only config.json is read)")
     source.add_argument("--preset", choices=presets)
     p.set_defaults(run=_cmd_info)
+
+    p = commands.add_parser(
+        "plan",
+        help="split one GPU's memory into weights, activations and cache; loads no weights",
+        description="Plan one rank's memory for serving on tp x cp GPUs of --gpu-mem each: weights (sharded over "
+        "tp*cp), the activation reserve, and how many tokens and sequences the MLA pages and KDA states then hold.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (only config.json is read)")
+    source.add_argument("--preset", choices=presets)
+    p.add_argument("--gpu-mem", required=True, metavar="BYTES", help="one GPU's memory: 141GB, 141GiB, 80e9")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel (Helix) size")
+    # planner.KV_CACHE_DTYPES, spelt out: the engine is imported only when `plan` runs.
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--max-model-len", type=int, metavar="N", help="default: the config's model_max_length")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.set_defaults(run=_cmd_plan)
     return parser
 
 
@@ -171,12 +199,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> None:
-    if args.model is not None:
-        config = _read_config(args.model)
-        source = f"{args.model} (config.json)"
-    else:
-        config = get_preset(args.preset)
-        source = f"{args.preset} (preset)"
+    config, source = _config_from_args(args)
     total, active = count_parameters(config)
     n_layers, n_kda = config.num_hidden_layers, n_kda_layers(config)
     n_moe = sum(config.is_moe_layer(i) for i in range(n_layers))
@@ -199,7 +222,88 @@ def _cmd_info(args: argparse.Namespace) -> None:
     )
 
 
+def _cmd_plan(args: argparse.Namespace) -> None:
+    from kimi_helix.engine.planner import parse_bytes, plan_memory
+
+    config, source = _config_from_args(args)
+    try:
+        gpu_mem = parse_bytes(args.gpu_mem)
+    except ValueError as err:
+        raise UsageError(f"--gpu-mem: {err}") from err
+    try:
+        plan = plan_memory(
+            config,
+            gpu_mem,
+            tp=args.tp,
+            cp=args.cp,
+            kv_cache_dtype=args.kv_cache_dtype,
+            dtype=DTYPES[args.dtype],
+            page_size=args.page_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    print(_plan_table(plan, source))
+
+
+def _plan_table(plan: MemoryPlan, source: str) -> str:
+    """`plan` as two columns: a name, then bytes with their binary-unit size, then what they cover."""
+    dtype = str(plan.dtype).removeprefix("torch.")
+    kv = "fp8 e4m3 (+ fp32 per-token scales)" if plan.kv_cache_dtype == "fp8_e4m3" else dtype
+    ranks = f"tp={plan.tp} x cp={plan.cp} = {plan.world_size} rank{'s' * (plan.world_size > 1)}"
+    per_rank = plan.mla_cache_bytes_per_token_per_rank
+    rows = [
+        ("model", source),
+        ("layout", f"{ranks}; {dtype} weights; KV cache in {kv}; pages of {plan.page_size} tokens"),
+        (
+            "GPU memory",
+            f"{_bytes(plan.gpu_memory_bytes)} x {plan.gpu_memory_utilization:g} = {_bytes(plan.usable_bytes)} usable",
+        ),
+        ("weights / rank", _bytes(plan.weight_bytes_per_rank)),
+    ]
+    if plan.draft_weight_bytes:
+        rows.append(("  of which draft", _bytes(plan.draft_weight_bytes)))
+    rows += [
+        (
+            "activations",
+            f"{_bytes(plan.activation_reserve_bytes)} (reserve: max_num_batched_tokens={plan.max_num_batched_tokens}, "
+            f"max_num_seqs={plan.max_num_seqs})",
+        ),
+        ("free for cache", _bytes(plan.free_bytes_for_cache)),
+        (
+            "MLA cache",
+            f"{_bytes(plan.mla_cache_bytes_per_token)} per token; {per_rank:,.{0 if per_rank.is_integer() else 1}f} B "
+            f"per token per rank (page b on rank b % cp)",
+        ),
+        ("KDA state", f"{_bytes(plan.kda_state_bytes_per_sequence_per_rank)} per sequence per rank"),
+        (
+            "pages / rank",
+            f"{plan.num_pages_per_rank:,} of {_bytes(plan.page_bytes)}, after KDA state for max_num_seqs="
+            f"{plan.max_num_seqs}",
+        ),
+        ("max tokens", f"{plan.max_concurrent_tokens:,} cached tokens at once, over all sequences"),
+        (
+            "max sequences",
+            f"{plan.max_concurrent_sequences:,} at max_model_len={plan.max_model_len:,} "
+            f"({_bytes(plan.mla_cache_bytes_per_sequence_per_rank + plan.kda_state_bytes_per_sequence_per_rank)} "
+            f"each on the fullest rank)",
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
 # ---------------------------------------------------------------- helpers
+def _config_from_args(args: argparse.Namespace) -> tuple[KimiK3Config, str]:
+    """The config named by `--model DIR` (its config.json only) or `--preset NAME`, and a line saying which."""
+    if args.model is not None:
+        return _read_config(args.model), f"{args.model} (config.json)"
+    return get_preset(args.preset), f"{args.preset} (preset)"
+
+
 def _random_model(config: KimiK3Config, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """A randomly initialised model in `dtype` on `device`; one that cannot fit in that device's memory is refused
     before anything is allocated."""

@@ -1,0 +1,148 @@
+"""Paged hybrid cache: MLA latents in fixed-size pages, KDA states in a slot pool.
+
+One `PageLedger` owns every page and every state slot, so later extensions change one place: Helix shards the
+ledger (page b of a sequence lives on rank b % cp) and speculative decoding appends 1+k tokens and then truncates
+to the accepted length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..modeling.batch import ForwardBatch
+from ..modeling.config import KimiK3Config
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+@dataclass
+class SequenceBlocks:
+    """A sequence's share of the cache: its page ids in order, its state slot and cached length."""
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class PageLedger:
+    """Free lists of pages and state slots, and each sequence's `SequenceBlocks`."""
+
+    def __init__(self, num_pages: int, page_size: int, num_slots: int):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.seqs: dict[int, SequenceBlocks] = {}
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def can_admit(self, reserve_tokens: int) -> bool:
+        return bool(self.free_slots) and len(self.free_pages) >= self.pages_for(reserve_tokens)
+
+    def admit(self, seq_id: int, reserve_tokens: int) -> SequenceBlocks:
+        """Give `seq_id` a state slot and every page it can ever need (so a running sequence never waits)."""
+        if not self.can_admit(reserve_tokens):
+            raise RuntimeError(
+                f"cannot admit sequence {seq_id}: no free slot or fewer than "
+                f"{self.pages_for(reserve_tokens)} free pages"
+            )
+        blocks = SequenceBlocks(slot=self.free_slots.pop())
+        blocks.pages = [self.free_pages.pop() for _ in range(self.pages_for(reserve_tokens))]
+        self.seqs[seq_id] = blocks
+        return blocks
+
+    def release(self, seq_id: int) -> None:
+        blocks = self.seqs.pop(seq_id)
+        self.free_pages.extend(reversed(blocks.pages))
+        self.free_slots.append(blocks.slot)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+
+class PagedCache:
+    """Device storage behind a `PageLedger`.
+
+    Per MLA layer: pages [num_pages, page_size, D] with D = kv_lora_rank + rope (fp8 e4m3 pages carry a per-token
+    fp32 scale [num_pages, page_size]). Per KDA layer: conv [num_slots, W-1, 3P] in the model dtype and recurrent
+    [num_slots, H, K, V] in fp32.
+    """
+
+    def __init__(self, config: KimiK3Config, ledger: PageLedger, dtype: torch.dtype, device, kv_cache_dtype="auto"):
+        if kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+        self.ledger = ledger
+        self.fp8 = kv_cache_dtype == "fp8_e4m3"
+        n, ps, d = ledger.num_pages, ledger.page_size, config.mla_cache_dim
+        h, k, w = config.kda_num_heads, config.kda_head_dim, config.conv_kernel_size
+        self.pages: dict[int, torch.Tensor] = {}
+        self.scales: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        for i, kind in enumerate(config.layer_types):
+            if kind == "full_attention":
+                self.pages[i] = torch.zeros(n, ps, d, dtype=FP8 if self.fp8 else dtype, device=device)
+                if self.fp8:
+                    self.scales[i] = torch.ones(n, ps, dtype=torch.float32, device=device)
+            else:
+                self.conv[i] = torch.zeros(ledger.num_slots, w - 1, 3 * h * k, dtype=dtype, device=device)
+                self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
+
+    def view(self, seq_ids: list[int]) -> CacheView:
+        return CacheView(self, [self.ledger.seqs[s] for s in seq_ids])
+
+    def reset_state(self, slot: int) -> None:
+        for t in (*self.conv.values(), *self.recurrent.values()):
+            t[slot].zero_()
+
+
+class CacheView:
+    """The cache as the layers see it for one step: the sequences of a `ForwardBatch`, in its order."""
+
+    def __init__(self, cache: PagedCache, blocks: list[SequenceBlocks]):
+        self.cache = cache
+        self.blocks = blocks
+        self.slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
+
+    def _token_slots(self, blocks: SequenceBlocks, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ps = self.cache.ledger.page_size
+        pos = torch.arange(start, end)
+        return torch.tensor(blocks.pages, dtype=torch.long)[pos // ps], pos % ps
+
+    def append_mla(self, layer_idx: int, latent: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor]:
+        """Write new latents [T, D] into pages and return each sequence's context [L, D] (dequantised)."""
+        pages, contexts = self.cache.pages[layer_idx], []
+        for blocks, new, start in zip(self.blocks, latent.split(batch.seq_lens), batch.context_lens):
+            end = start + new.shape[0]
+            page, offset = (t.to(pages.device) for t in self._token_slots(blocks, start, end))
+            if self.cache.fp8:
+                scale = new.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+                pages[page, offset] = (new.float() / scale[:, None]).to(FP8)
+                self.cache.scales[layer_idx][page, offset] = scale
+            else:
+                pages[page, offset] = new.to(pages.dtype)
+            page, offset = (t.to(pages.device) for t in self._token_slots(blocks, 0, end))
+            ctx = pages[page, offset]
+            if self.cache.fp8:
+                ctx = ctx.float() * self.cache.scales[layer_idx][page, offset][:, None]
+            contexts.append(ctx.to(latent.dtype))
+        return contexts
+
+    def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
+        slots = self.slots.to(like.device)
+        return self.cache.conv[layer_idx][slots], self.cache.recurrent[layer_idx][slots]
+
+    def set_kda_state(self, layer_idx: int, batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor):
+        slots = self.slots.to(conv.device)
+        self.cache.conv[layer_idx][slots] = conv
+        self.cache.recurrent[layer_idx][slots] = recurrent
+
+    def commit(self, batch: ForwardBatch) -> None:
+        for blocks, total in zip(self.blocks, batch.total_lens()):
+            blocks.length = total

@@ -1,0 +1,232 @@
+"""`LLM`: offline batched generation with the shape of vLLM's API, on the paged hybrid cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..modeling.batch import ForwardBatch
+from ..modeling.model import KimiK3ForCausalLM
+from .cache import PagedCache, PageLedger
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Request, Scheduler
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    seconds: float
+    scheduled_tokens: int
+    generated_tokens: int
+    running: int
+    waiting: int
+    pages_in_use: int
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class LLM:
+    """Batched generation over a paged MLA latent cache and a KDA state pool.
+
+    Args:
+        model: a checkpoint directory or a loaded `KimiK3ForCausalLM`.
+        dtype, device: default to the model's (a directory loads in its saved dtype; cuda if available).
+        page_size: tokens per cache page. max_num_seqs: running sequences at most (= state slots).
+        max_model_len: prompt + generated tokens per request at most (default: the config's, capped at 8192).
+        kv_cache_dtype: "auto" (model dtype) or "fp8_e4m3" (per-token scaled e4m3 latents).
+        gpu_memory_utilization: share of free GPU memory the cache may take (CUDA only).
+        attention_backend: None or "torch" (the reference; Triton backends come with the kernel work).
+        num_pages: cache pages; default sized from free GPU memory, or for 8 full-length sequences on CPU.
+        max_num_batched_tokens: token budget per step (chunked prefill); default 2048.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        page_size: int = 64,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        attention_backend: str | None = None,
+        num_pages: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        tokenizer=None,
+    ):
+        if attention_backend not in (None, "torch"):
+            raise ValueError(
+                f"attention_backend must be None or 'torch' (no other backend exists yet), got {attention_backend!r}"
+            )
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        for name, value in (
+            ("page_size", page_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(model, (str, Path)):
+            path = Path(model)
+            model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+            if tokenizer is None and (path / "tokenizer_config.json").is_file():
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+        self.model.eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        config = self.model.config
+        self.max_model_len = max_model_len or min(config.model_max_length, 8192)
+        if num_pages is None:
+            num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
+        ledger = PageLedger(num_pages, page_size, max_num_seqs)
+        self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
+        self.scheduler = Scheduler(ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.metrics: list[StepMetrics] = []
+        self._next_id = 0
+
+    def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
+        per_seq = -(-self.max_model_len // page_size)
+        if self.device.type != "cuda":
+            return per_seq * min(max_num_seqs, 8)
+        from ..modeling.accounting import mla_cache_bytes_per_token
+
+        free, _ = torch.cuda.mem_get_info(self.device)
+        token_bytes = mla_cache_bytes_per_token(self.model.config, 1 if kv_cache_dtype == "fp8_e4m3" else 2)
+        return max(per_seq, int(free * utilization) // max(1, token_bytes * page_size))
+
+    # ---------------------------------------------------------------- public API
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for `prompts` (strings, token-id lists, or a mix); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        for request in requests:  # reject the whole call before queueing any of it
+            self.scheduler.check(request)
+        for request in requests:
+            self.scheduler.add(request)
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        with tqdm(total=len(requests), desc="generate", unit="req", disable=not show) as bar:
+            while self.scheduler.has_work:
+                bar.update(self.step())
+        return [self._output(r) for r in requests]
+
+    def step(self) -> int:
+        """Run one scheduled forward pass; return how many requests finished."""
+        start = time.perf_counter()
+        step = self.scheduler.schedule()
+        if not step.requests:
+            raise RuntimeError("scheduler made no progress: no running request and none admissible")
+        reqs = step.requests
+        tokens = [r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(reqs, step.num_tokens)]
+        batch = ForwardBatch.build(step.num_tokens, [r.num_computed for r in reqs], self.device)
+        ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
+        view = self.cache.view([r.request_id for r in reqs])
+        with torch.no_grad():
+            hidden = self.model.model.forward_packed(self.model.model.embed_tokens(ids), batch, view)
+            view.commit(batch)
+            for r, n in zip(reqs, step.num_tokens):
+                r.num_computed += n
+            ready = [i for i, r in enumerate(reqs) if r.pending == 0]
+            finished = 0
+            if ready:
+                last = batch.cu_seqlens[1:].long()[ready] - 1
+                logits = self.model.lm_head(hidden[last]).float()
+                chosen = [reqs[i] for i in ready]
+                new = sample(logits, [r.params for r in chosen], [r.generator for r in chosen]).tolist()
+                for request, token in zip(chosen, new):
+                    finished += self._append(request, token)
+        self.metrics.append(
+            StepMetrics(
+                step=len(self.metrics),
+                seconds=time.perf_counter() - start,
+                scheduled_tokens=step.total_tokens,
+                generated_tokens=len(ready),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                pages_in_use=self.scheduler.ledger.pages_in_use,
+            )
+        )
+        return finished
+
+    # ---------------------------------------------------------------- internals
+    def _make_request(self, prompt, params: SamplingParams) -> Request:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer; pass token-id lists or LLM(..., tokenizer=...)")
+            ids, text = self.tokenizer(prompt)["input_ids"], prompt
+        else:
+            ids, text = list(prompt), None
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
+        request = Request(self._next_id, text, ids, params, make_generator(params.seed, self.device))
+        self._next_id += 1
+        return request
+
+    def _append(self, request: Request, token: int) -> bool:
+        request.output_ids.append(token)
+        params, eos = request.params, self.model.config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+            reason = "stop"
+        elif len(request.output_ids) >= params.max_tokens:
+            reason = "length"
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                request.text, reason = text[: min(hits)], "stop"
+        if reason is None:
+            return False
+        # Zero the state slot on release: the next sequence in it must start from an empty state.
+        self.cache.reset_state(self.cache.ledger.seqs[request.request_id].slot)
+        self.scheduler.finish(request, reason)
+        return True
+
+    def _output(self, r: Request) -> RequestOutput:
+        text = r.text
+        if not text and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, r.output_ids, text, r.finish_reason)
