@@ -7,12 +7,15 @@ to the accepted length.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.mla import mla_decode, mla_prefill
 from ..modeling.batch import ForwardBatch
 from ..modeling.config import KimiK3Config
+from ..modeling.mla import absorb_query, unabsorb_output
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -94,8 +97,8 @@ class PagedCache:
                 self.conv[i] = torch.zeros(ledger.num_slots, w - 1, 3 * h * k, dtype=dtype, device=device)
                 self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
 
-    def view(self, seq_ids: list[int]) -> CacheView:
-        return CacheView(self, [self.ledger.seqs[s] for s in seq_ids])
+    def view(self, seq_ids: list[int], backend: str | None = None) -> CacheView:
+        return CacheView(self, [self.ledger.seqs[s] for s in seq_ids], backend)
 
     def reset_state(self, slot: int) -> None:
         for t in (*self.conv.values(), *self.recurrent.values()):
@@ -103,36 +106,83 @@ class PagedCache:
 
 
 class CacheView:
-    """The cache as the layers see it for one step: the sequences of a `ForwardBatch`, in its order."""
+    """The cache as the layers see it for one step: the sequences of a `ForwardBatch`, in its order.
 
-    def __init__(self, cache: PagedCache, blocks: list[SequenceBlocks]):
+    Every MLA call goes through the attention backend switch: decode through `mla_decode` over the pages (absorbed
+    form), prefill through `mla_prefill` (expanded form over the gathered context).
+    """
+
+    def __init__(self, cache: PagedCache, blocks: list[SequenceBlocks], backend: str | None = None):
         self.cache = cache
         self.blocks = blocks
+        self.backend = backend
         self.slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
 
-    def _token_slots(self, blocks: SequenceBlocks, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _page_index(self, blocks: SequenceBlocks, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         ps = self.cache.ledger.page_size
         pos = torch.arange(start, end)
-        return torch.tensor(blocks.pages, dtype=torch.long)[pos // ps], pos % ps
+        page = torch.tensor(blocks.pages, dtype=torch.long)[pos // ps]
+        return page.to(device), (pos % ps).to(device)
 
-    def append_mla(self, layer_idx: int, latent: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor]:
-        """Write new latents [T, D] into pages and return each sequence's context [L, D] (dequantised)."""
-        pages, contexts = self.cache.pages[layer_idx], []
+    def write_latents(self, layer_idx: int, latent: torch.Tensor, batch: ForwardBatch) -> None:
+        """Store new latents [T, D] (packed per `batch`) at each sequence's next positions; fp8 quantises here."""
+        pages = self.cache.pages[layer_idx]
         for blocks, new, start in zip(self.blocks, latent.split(batch.seq_lens), batch.context_lens):
-            end = start + new.shape[0]
-            page, offset = (t.to(pages.device) for t in self._token_slots(blocks, start, end))
+            page, offset = self._page_index(blocks, start, start + new.shape[0], pages.device)
             if self.cache.fp8:
                 scale = new.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
                 pages[page, offset] = (new.float() / scale[:, None]).to(FP8)
                 self.cache.scales[layer_idx][page, offset] = scale
             else:
                 pages[page, offset] = new.to(pages.dtype)
-            page, offset = (t.to(pages.device) for t in self._token_slots(blocks, 0, end))
+
+    def read_latents(self, layer_idx: int, batch: ForwardBatch, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each sequence's whole context [L_i, D], dequantised to `dtype`."""
+        pages, out = self.cache.pages[layer_idx], []
+        for blocks, total in zip(self.blocks, batch.total_lens()):
+            page, offset = self._page_index(blocks, 0, total, pages.device)
             ctx = pages[page, offset]
             if self.cache.fp8:
                 ctx = ctx.float() * self.cache.scales[layer_idx][page, offset][:, None]
-            contexts.append(ctx.to(latent.dtype))
-        return contexts
+            out.append(ctx.to(dtype))
+        return out
+
+    def block_table(self, device) -> torch.Tensor:
+        """[N, max_pages] int32 page ids of the batch's sequences (rows padded with page 0, never read)."""
+        width = max(len(b.pages) for b in self.blocks)
+        table = torch.zeros(len(self.blocks), width, dtype=torch.int32)
+        for i, b in enumerate(self.blocks):
+            table[i, : len(b.pages)] = torch.tensor(b.pages, dtype=torch.int32)
+        return table.to(device)
+
+    def mla_attention(self, module, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Store the new latents and attend: q [T, H, nope + rope] -> [T, H, v_dim]."""
+        self.write_latents(module.layer_idx, latent, batch)
+        w, nope, v_dim, r = module.kv_b_proj.weight, module.nope, module.v_dim, module.kv_lora_rank
+        device = q.device
+        if batch.is_decode:
+            q_lat = torch.cat([absorb_query(q[..., :nope], w, nope, v_dim), q[..., nope:]], dim=-1)
+            out, _ = mla_decode(
+                q_lat.contiguous(),
+                self.cache.pages[module.layer_idx],
+                self.block_table(device),
+                torch.tensor(batch.total_lens(), dtype=torch.int32, device=device),
+                batch.cu_seqlens,
+                module.scale,
+                r,
+                kv_scale=self.cache.scales.get(module.layer_idx),
+                backend=self.backend,
+            )
+            return unabsorb_output(out, w, nope, v_dim)
+        contexts = torch.cat(self.read_latents(module.layer_idx, batch, q.dtype))
+        kv = torch.nn.functional.linear(contexts[:, :r], w).view(contexts.shape[0], -1, nope + v_dim)
+        k_pe = contexts[:, None, r:].expand(-1, kv.shape[1], -1)
+        k = torch.cat([kv[..., :nope], k_pe], dim=-1)
+        cu_k = torch.tensor([0, *itertools.accumulate(batch.total_lens())], dtype=torch.int32, device=device)
+        out, _ = mla_prefill(
+            q.contiguous(), k, kv[..., nope:].contiguous(), batch.cu_seqlens, cu_k, module.scale, backend=self.backend
+        )
+        return out
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
         slots = self.slots.to(like.device)

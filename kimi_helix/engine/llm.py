@@ -60,7 +60,8 @@ class LLM:
         max_model_len: prompt + generated tokens per request at most (default: the config's, capped at 8192).
         kv_cache_dtype: "auto" (model dtype) or "fp8_e4m3" (per-token scaled e4m3 latents).
         gpu_memory_utilization: share of free GPU memory the cache may take (CUDA only).
-        attention_backend: None or "torch" (the reference; Triton backends come with the kernel work).
+        attention_backend: None (automatic: the first backend whose declared capabilities serve each call), or
+            "torch", "triton", "sdpa" to force one (a forced backend that cannot serve a call raises).
         num_pages: cache pages; default sized from free GPU memory, or for 8 full-length sequences on CPU.
         max_num_batched_tokens: token budget per step (chunked prefill); default 2048.
     """
@@ -105,6 +106,7 @@ class LLM:
         self.model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
         self.model.eval()
         self.tokenizer = tokenizer
+        self.attention_backend = attention_backend
         self.device = device
         config = self.model.config
         self.max_model_len = max_model_len or min(config.model_max_length, 8192)
@@ -161,7 +163,7 @@ class LLM:
         tokens = [r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(reqs, step.num_tokens)]
         batch = ForwardBatch.build(step.num_tokens, [r.num_computed for r in reqs], self.device)
         ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
-        view = self.cache.view([r.request_id for r in reqs])
+        view = self.cache.view([r.request_id for r in reqs], self.attention_backend)
         with torch.no_grad():
             hidden = self.model.model.forward_packed(self.model.model.embed_tokens(ids), batch, view)
             view.commit(batch)

@@ -1,8 +1,8 @@
 """`KimiK3Cache`: the per-request cache of the HF `generate()` path.
 
 It stores exactly what the engine's paged cache stores (the MLA latent per token, the KDA conv and recurrent
-states per sequence) behind the same three calls the layers make: `append_mla`, `kda_state` and
-`set_kda_state`. Rows are the batch rows of `generate()`; left padding is never stored, so rows may hold
+states per sequence) behind the same calls the layers make: `mla_attention`, `kda_state` and `set_kda_state`.
+Rows are the batch rows of `generate()`; left padding is never stored, so rows may hold
 contexts of different lengths.
 """
 
@@ -12,6 +12,7 @@ import torch
 
 from .batch import ForwardBatch
 from .config import KimiK3Config
+from .mla import attend_contexts
 
 
 class KimiK3Cache:
@@ -56,6 +57,10 @@ class KimiK3Cache:
         rows = [torch.cat([old, new]) for old, new in zip(rows, latent.split(batch.seq_lens))]
         self.latents[layer_idx] = rows
         return rows
+
+    def mla_attention(self, module, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Store the new latents and attend with the torch reference: q [T, H, nope + rope] -> [T, H, v_dim]."""
+        return attend_contexts(module, q, self.append_mla(module.layer_idx, latent, batch), batch)
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's (conv [B, W-1, 3P], recurrent [B, H, K, V] fp32) states; zeros for a new row. The conv

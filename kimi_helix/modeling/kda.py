@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
-from ..kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda
+from ..kernels.kda import kda_chunk, kda_gate, kda_recurrent
 from .batch import ForwardBatch
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
@@ -70,7 +70,7 @@ class KimiDeltaAttention(nn.Module):
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())[None]
-        core = naive_recurrent_kda if batch.is_decode else naive_chunk_kda
+        core = kda_recurrent if batch.is_decode else kda_chunk
         o, state = core(
             q,
             k_,

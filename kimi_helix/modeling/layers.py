@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.norm import gated_rms_norm
+
 
 class RMSNorm(nn.Module):
     """`weight * x / rms(x)`, normalised in fp32 and cast back before the weight, as Kimi-Linear does."""
@@ -25,24 +27,8 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """KDA output norm: `rmsnorm(x) * weight * sigmoid(gate)`, all in fp32.
-
-    Args:
-        x: [..., D] per-head attention output.
-        gate: [..., D] gate pre-activation.
-        weight: [D].
-    Returns:
-        [..., D] in the dtype of `x`.
-    """
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
-
-
 class GatedRMSNorm(nn.Module):
-    """Module form of `gated_rms_norm`; named `o_norm` in Kimi checkpoints."""
+    """KDA output norm `rmsnorm(x) * weight * sigmoid(gate)` (`kernels.norm`); `o_norm` in Kimi checkpoints."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()

@@ -129,17 +129,22 @@ class MLAttention(nn.Module):
         return q, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """x [T, d] packed tokens -> [T, d]. `cache.append_mla` stores the new latents and returns each
-        sequence's full context."""
+        """x [T, d] packed tokens -> [T, d]. `cache.mla_attention` stores the new latents and attends."""
         q, latent = self.project(x, batch.positions)
-        contexts = cache.append_mla(self.layer_idx, latent, batch)
-        # Decode reads only the latent; prefill expands it once for all its queries.
-        attend = mla_absorbed if batch.is_decode else mla_expanded
-        outs = []
-        for q_seq, ctx in zip(q.split(batch.seq_lens), contexts):
-            offset = ctx.shape[0] - q_seq.shape[0]
-            outs.append(attend(q_seq, ctx, self.kv_b_proj.weight, self.nope, self.v_dim, self.scale, offset))
-        o = torch.cat(outs).reshape(x.shape[0], -1)
+        o = cache.mla_attention(self, q, latent, batch).reshape(x.shape[0], -1)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
+
+
+def attend_contexts(module: MLAttention, q: torch.Tensor, contexts: list[torch.Tensor], batch: ForwardBatch):
+    """Reference MLA over per-sequence contexts [L_i, r + rope]: q [T, H, nope + rope] -> [T, H, v_dim].
+
+    Decode reads only the latent (absorbed form); prefill expands it once for all its queries.
+    """
+    attend = mla_absorbed if batch.is_decode else mla_expanded
+    outs = []
+    for q_seq, ctx in zip(q.split(batch.seq_lens), contexts):
+        offset = ctx.shape[0] - q_seq.shape[0]
+        outs.append(attend(q_seq, ctx, module.kv_b_proj.weight, module.nope, module.v_dim, module.scale, offset))
+    return torch.cat(outs)

@@ -9,9 +9,9 @@ so also to the weights; we do not copy that).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.moe import fused_experts, moe_router_ref
 from .config import KimiK3Config
 from .layers import SwiGLU
 
@@ -34,20 +34,17 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if self.activation == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores + self.e_score_correction_bias.float()
-        if self.num_groups > 1:
-            grouped = choice.view(x.shape[0], self.num_groups, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        return moe_router_ref(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_group,
+            self.renormalize,
+            self.scaling,
+            self.activation,
+        )
 
 
 class RoutedExperts(nn.Module):
@@ -64,20 +61,8 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Reference loop over the experts that received tokens. x [T, d]; weights, ids [T, k] -> [T, d]."""
-        out = torch.zeros_like(x)
-        top_k = ids.shape[1]
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        for expert, pairs in enumerate(order.split(counts)):
-            if pairs.numel() == 0:
-                continue
-            tokens = pairs // top_k
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(x.dtype))
-        return out
+        """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU)."""
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class SparseMoE(nn.Module):

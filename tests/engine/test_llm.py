@@ -127,7 +127,5 @@ def test_hf_cache_and_paged_cache_hold_the_same_latents():
     with torch.no_grad():
         model.model.forward_packed(model.model.embed_tokens(ids[0]), batch, llm.cache.view([0]))
     layer = next(iter(hf.latents))
-    paged = llm.cache.view([0]).append_mla(
-        layer, torch.empty(0, hf.latents[layer][0].shape[-1]), ForwardBatch.build([0], [20], "cpu")
-    )[0]
+    paged = llm.cache.view([0]).read_latents(layer, batch, torch.float32)[0]
     assert torch.equal(paged, hf.latents[layer][0])

@@ -1,0 +1,333 @@
+"""Triton short causal depthwise convolution with fused SiLU: prefill (packed varlen) and one-token decode update.
+
+Layouts match :mod:`kimi_helix.kernels.conv.naive`: channels last (``x [B, T, D]``, cache ``[N, W - 1, D]`` holding
+the previous ``W - 1`` raw inputs, oldest first), so every load and store runs along D and is coalesced. The cache
+may be an engine pool ``[slots, W - 1, D]`` addressed by ``state_indices`` and is then read and updated in place.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["causal_conv1d_triton", "causal_conv1d_update_triton"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def causal_conv1d_fwd_kernel(
+    x,
+    w,
+    y,
+    h0,
+    cu_seqlens,
+    seq_ids,
+    state_indices,
+    stride_x_t,
+    stride_h0_n,
+    stride_h0_w,
+    total_t,
+    T,
+    D,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    # One [BT tokens, BD channels] tile of the packed input. A tap that reaches before its token's sequence start
+    # reads the sequence's cache instead (or zero), so sequences never see each other's inputs.
+    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    o_d = i_d * BD + tl.arange(0, BD)
+    mask_t = o_t < total_t
+    mask_d = o_d < D
+    if IS_VARLEN:
+        i_n = tl.load(seq_ids + o_t, mask=mask_t, other=0).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n, mask=mask_t, other=0).to(tl.int64)
+    else:
+        i_n = o_t // T
+        bos = i_n * T
+    if USE_INITIAL_STATE:
+        slot = tl.load(state_indices + i_n, mask=mask_t, other=0).to(tl.int64) if USE_STATE_INDICES else i_n
+
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = o_t - (W - 1) + j
+        in_seq = src >= bos
+        m = mask_t[:, None] & mask_d[None, :]
+        b_x = tl.load(x + src[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
+        b_x = b_x.to(tl.float32)
+        if USE_INITIAL_STATE:
+            p_h = h0 + slot[:, None] * stride_h0_n + (src - bos + W - 1)[:, None] * stride_h0_w + o_d[None, :]
+            b_x += tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
+        acc += b_x * b_w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + o_t[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def causal_conv1d_final_state_kernel(
+    x,
+    h0,
+    ht,
+    cu_seqlens,
+    state_indices,
+    stride_x_t,
+    stride_h0_n,
+    stride_h0_w,
+    stride_ht_n,
+    stride_ht_w,
+    T,
+    D,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    BD: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+):
+    # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
+    # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free.
+    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    o_w = tl.arange(0, BW)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m = (o_w < W - 1)[:, None] & (o_d < D)[None, :]
+    pos = eos - (W - 1) + o_w
+    in_seq = pos >= bos
+    b_s = tl.load(x + pos[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
+    if USE_INITIAL_STATE:
+        p_h = h0 + slot * stride_h0_n + (pos - bos + W - 1)[:, None] * stride_h0_w + o_d[None, :]
+        b_s = tl.where(in_seq[:, None], b_s, tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(b_s.dtype))
+    tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_d[None, :], b_s.to(ht.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def causal_conv1d_update_kernel(
+    x,
+    w,
+    y,
+    state,
+    state_indices,
+    stride_x_n,
+    stride_s_n,
+    stride_s_w,
+    D,
+    W: tl.constexpr,
+    BD: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    o_d = i_d * BD + tl.arange(0, BD)
+    mask_d = o_d < D
+    p_s = state + slot * stride_s_n + o_d
+    b_x = tl.load(x + i_n * stride_x_n + o_d, mask=mask_d, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(w + o_d * W + W - 1, mask=mask_d, other=0.0).to(tl.float32)
+    # Shift the window one step: each thread loads row j + 1 and stores it to row j of the same channels, and all
+    # loads of a row precede its store in program order, so the in-place update needs no barrier.
+    for j in tl.static_range(W - 1):
+        b_s = tl.load(p_s + j * stride_s_w, mask=mask_d, other=0.0)
+        acc += b_s.to(tl.float32) * tl.load(w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(p_s + (j - 1) * stride_s_w, b_s, mask=mask_d)
+    if W > 1:
+        tl.store(p_s + (W - 2) * stride_s_w, b_x.to(state.dtype.element_ty), mask=mask_d)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=mask_d)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _silu(activation: str | None) -> bool:
+    if activation is None:
+        return False
+    if activation in ("silu", "swish"):
+        return True
+    raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def _check_common(x: torch.Tensor, weight: torch.Tensor, D: int) -> int:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x dtype must be fp32, fp16 or bf16, got {x.dtype}")
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"x is on {x.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [D, W]=[{D}, W] with W >= 1, got {list(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    return weight.shape[1]
+
+
+def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int, n: int | None) -> None:
+    """n: the required leading size, or None for a pool (any number of slots, updated in place)."""
+    lead = "slots" if n is None else n
+    if state.dim() != 3 or tuple(state.shape[1:]) != (W - 1, D) or (n is not None and state.shape[0] != n):
+        raise ValueError(f"{name} must have shape [{lead}, W-1, D]=[{lead}, {W - 1}, {D}], got {list(state.shape)}")
+    if state.device != x.device:
+        raise ValueError(f"{name} is on {state.device}, x on {x.device}")
+    if state.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along D (it is read and written in place)")
+
+
+def _check_indices(state_indices: torch.Tensor, n: int, x: torch.Tensor) -> None:
+    if state_indices.dim() != 1 or state_indices.numel() != n or state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"state_indices must be an int32/int64 tensor of shape [{n}], got {state_indices.dtype} "
+            f"{list(state_indices.shape)}"
+        )
+    if state_indices.device != x.device:
+        raise ValueError(f"state_indices is on {state_indices.device}, x on {x.device}")
+
+
+def causal_conv1d_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    state_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv (no bias) with an optional fused SiLU; the contract of ``conv.naive.causal_conv1d``.
+
+    ``y[t] = act(sum_{j<W} weight[:, j] * x[t - (W - 1) + j])`` with inputs before a sequence start taken from its
+    cache (zeros when absent). Maths in fp32. ``cu_seqlens`` is not validated on the host (that would sync): it
+    must be non-decreasing from 0 to ``T``; ``state_indices`` must be distinct and in range.
+
+    Args:
+        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D.
+        weight: ``[D, W]``.
+        initial_state: ``[N, W - 1, D]`` (N = B or the number of packed sequences), or with ``state_indices`` the
+            pool ``[slots, W - 1, D]``.
+        output_final_state: return the cache after each sequence's last token; with ``state_indices`` it is
+            written IN PLACE into the listed pool slots and the pool is returned.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of a packed ``B == 1`` input.
+        activation: ``"silu"`` (alias ``"swish"``) or None.
+        state_indices: ``[N]`` int32/int64 pool slot of each sequence.
+
+    Returns:
+        ``(y [B, T, D] in x.dtype, final_state)``: ``[N, W - 1, D]`` in x.dtype, the pool, or None.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
+    B, T, D = x.shape
+    W = _check_common(x, weight, D)
+    silu = _silu(activation)
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1 (packed input x [1, total_T, D]), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
+                f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+            )
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if state_indices is not None:
+        if initial_state is None:
+            raise ValueError("state_indices addresses a state pool: pass the pool as initial_state")
+        _check_indices(state_indices, N, x)
+    if initial_state is not None:
+        _check_state("initial_state", initial_state, x, W, D, None if state_indices is not None else N)
+
+    xf = x.flatten(0, 1)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    h0_strides = (initial_state.stride(0), initial_state.stride(1)) if initial_state is not None else (0, 0)
+    seq_ids = None
+    if cu_seqlens is not None:
+        # token -> sequence without a host sync; the first boundary (0) is dropped so the search counts ends passed
+        tokens = torch.arange(B * T, device=x.device, dtype=cu_seqlens.dtype)
+        seq_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
+    bt, bd = (16, 32) if _interpreting() else (32, 128)
+    if B * T > 0:
+        grid = (triton.cdiv(B * T, bt), triton.cdiv(D, bd))
+        causal_conv1d_fwd_kernel[grid](
+            xf, weight, y, initial_state, cu_seqlens, seq_ids, state_indices, xf.stride(0), *h0_strides,
+            B * T, T, D, W=W, BT=bt, BD=bd,
+            IS_VARLEN=cu_seqlens is not None,
+            USE_INITIAL_STATE=initial_state is not None,
+            USE_STATE_INDICES=state_indices is not None,
+            SILU=silu,
+            num_warps=4,
+        )  # fmt: skip
+    if not output_final_state:
+        return y, None
+    final = initial_state if state_indices is not None else torch.empty(N, W - 1, D, dtype=x.dtype, device=x.device)
+    if W > 1:
+        causal_conv1d_final_state_kernel[(N, triton.cdiv(D, bd))](
+            xf, initial_state, final, cu_seqlens, state_indices, xf.stride(0), *h0_strides,
+            final.stride(0), final.stride(1), T, D,
+            W=W, BW=triton.next_power_of_2(W - 1), BD=bd,
+            IS_VARLEN=cu_seqlens is not None,
+            USE_INITIAL_STATE=initial_state is not None,
+            USE_STATE_INDICES=state_indices is not None,
+            num_warps=4,
+        )  # fmt: skip
+    return y, final
+
+
+def causal_conv1d_update_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    activation: str | None = "silu",
+    state_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of :func:`causal_conv1d_triton` for N sequences; the contract of
+    ``conv.naive.causal_conv1d_update``.
+
+    Args:
+        x: ``[N, D]``, the new input of each sequence (contiguous along D).
+        conv_state: ``[N, W - 1, D]``, or with ``state_indices`` the pool ``[slots, W - 1, D]``; updated IN PLACE
+            (only the listed slots): the oldest input is dropped and ``x`` appended.
+        weight: ``[D, W]``.
+        activation: ``"silu"`` (alias ``"swish"``) or None.
+        state_indices: ``[N]`` int32/int64 distinct pool slots.
+
+    Returns:
+        ``y [N, D]`` in x.dtype.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
+    N, D = x.shape
+    W = _check_common(x, weight, D)
+    silu = _silu(activation)
+    if state_indices is not None:
+        _check_indices(state_indices, N, x)
+    _check_state("conv_state", conv_state, x, W, D, None if state_indices is not None else N)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return y
+    bd = 32 if _interpreting() else 256
+    causal_conv1d_update_kernel[(N, triton.cdiv(D, bd))](
+        x, weight.contiguous(), y, conv_state, state_indices, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+        D, W=W, BD=bd,
+        USE_STATE_INDICES=state_indices is not None,
+        SILU=silu,
+        num_warps=4,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,196 @@
+"""Triton chunked KDA prefill: varlen, state pool, gate and L2 norm in the kernels.
+
+Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by four kernels over
+packed tokens (a plain batch is packed as ``B`` equal sequences):
+
+1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
+2. ``kda_chunk_intra_kernel``: per chunk, ``A_kk``/``A_qk``, ``(I + A)^-1``, ``w``, ``u`` and the decayed k, q;
+3. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
+4. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
+
+Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
+carried state, which are fp32. All decays are exponentials of non-positive numbers as long as the log-decay ``g``
+is <= 0 (always true for the KDA gate), so strong forget gates cannot overflow. ``cu_seqlens`` is read on the host:
+pass it on the CPU to avoid a device sync.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
+from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
+from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
+
+__all__ = ["chunk_kda"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BC = 16  # rows per sub-block of a chunk: the smallest tl.dot tile
+
+
+def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], desc: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {desc}={list(expected)}, got {list(t.shape)}")
+
+
+def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device: torch.device):
+    """(cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2] of (sequence, chunk), chunk_offsets int32 [N+1])."""
+    if cu_seqlens is None:
+        bounds = [b * T for b in range(B + 1)]
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1 (packed input [1, total_T, ...]), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
+                f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
+            )
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
+    counts = [triton.cdiv(e - b, BT) for b, e in zip(bounds[:-1], bounds[1:])]
+    pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+
+    def dev(x):
+        return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
+
+    return dev(bounds), dev(pairs).reshape(-1, 2), dev(offsets)
+
+
+def _value_block(V: int) -> int:
+    """Value columns per state-kernel program. The state pass is sequential, so many narrow programs beat few wide
+    ones; 32 also keeps the fp32 state of K=128 rows in registers without spilling at 4 warps."""
+    return min(32, max(16, triton.next_power_of_2(V)))
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA forward in Triton (prefill); same results as :func:`naive_chunk_kda`.
+
+    Args:
+        q, k: ``[B, T, H, K]``, fp16/bf16/fp32 (one dtype for q, k, v).  v: ``[B, T, H, V]``.
+        g: ``[B, T, H, K]``: the log-decay (<= 0), or, when ``A_log``/``dt_bias`` are given, the raw gate
+            pre-activation ``f`` from which the kernel computes ``kda_gate(f, A_log, dt_bias, lower_bound)``.
+        beta: ``[B, T, H]``.
+        scale: multiplies q (after the optional L2 norm); defaults to ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` (N = B, or the number of packed sequences), or with ``state_indices``
+            the fp32 state pool ``[slots, H, K, V]``; None for zero states.
+        output_final_state: also return the state after the last token of each sequence. With
+            ``state_indices`` it is written back into the pool in place and the pool is returned.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6 inside the square root) before use.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of a packed ``B == 1`` input (CPU or device).
+        state_indices: ``[N]`` int pool slot of each sequence (distinct slots); needs ``initial_state``.
+        A_log: ``H`` elements; dt_bias: ``H * K`` elements; lower_bound: negative float for the bounded gate.
+        chunk_size: 64 (default), 32 or 16.
+
+    Returns:
+        ``(o [B, T, H, V] in q.dtype, final_state)``: final_state is ``[N, H, K, V]`` fp32, the pool with
+        ``state_indices``, or None without ``output_final_state``.
+    """
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K] and v [B, T, H, V], got {list(q.shape)} and {list(v.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    _check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
+    _check_shape("v", v, (B, T, H, V), "[B, T, H, V]")
+    _check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
+    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"q is on {q.device}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if K > 256 or V > 256:
+        raise ValueError(f"head dims up to 256 are supported, got K={K}, V={V}")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias must be given together (in-kernel gate) or both omitted")
+    if lower_bound is not None and (A_log is None or not lower_bound < 0):
+        raise ValueError(f"lower_bound must be negative and needs A_log/dt_bias, got {lower_bound}")
+    if A_log is not None and (A_log.numel() != H or dt_bias.numel() != H * K):
+        raise ValueError(f"A_log needs H={H} elements and dt_bias H*K={H * K}, got {A_log.numel()}, {dt_bias.numel()}")
+
+    cu, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T, chunk_size, q.device)
+    N, NT = cu.numel() - 1, chunk_indices.shape[0]
+    if state_indices is not None:
+        if initial_state is None:
+            raise ValueError("state_indices needs initial_state (the state pool [slots, H, K, V])")
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (H, K, V):
+            raise ValueError(f"the state pool must have shape [slots, H, K, V], got {list(initial_state.shape)}")
+        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            raise ValueError("the state pool must be a contiguous fp32 tensor (it is updated in place)")
+        _check_shape("state_indices", state_indices, (N,), "[N]")
+        state_indices = state_indices.to(q.device, torch.int32)
+    elif initial_state is not None:
+        _check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
+        initial_state = initial_state.contiguous()
+    if initial_state is not None and initial_state.device != q.device:
+        raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    scale = K**-0.5 if scale is None else scale
+    BK, BV_full = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
+    w, kg, qg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(3))
+    u, v_new, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(3))
+    Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
+    Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
+    h = torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
+    if not output_final_state:
+        final_state = None
+    elif state_indices is not None:
+        final_state = initial_state
+    else:
+        final_state = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+
+    if NT:
+        gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
+        kda_chunk_gate_kernel[(NT, H)](
+            g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
+            H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
+        )  # fmt: skip
+        kda_chunk_intra_kernel[(NT, H)](
+            q, k, v, G, beta, w, u, kg, qg, Aqk, Ai, cu, chunk_indices, scale,
+            H=H, K=K, V=V, BT=chunk_size, BC=_BC, BKS=16, BS=32,
+            L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec, num_warps=4,
+        )  # fmt: skip
+    BV = _value_block(V)
+    kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
+        w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
+        H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
+        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
+        USE_STATE_INDICES=state_indices is not None, DOT_PREC=dot_prec, num_warps=4,
+    )  # fmt: skip
+    if NT:
+        BVo = min(64, BV_full)
+        kda_chunk_output_kernel[(triton.cdiv(V, BVo), NT, H)](
+            qg, h, Aqk, v_new, o, cu, chunk_indices,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=4,
+        )  # fmt: skip
+    return o, final_state

@@ -1,0 +1,96 @@
+"""Inter-chunk state recurrence of the Triton KDA prefill: the only sequential stage.
+
+One program per (sequence, head, block of BV value columns) walks the chunks of its sequence carrying the state
+``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg from the intra kernel::
+
+    h_c   = S                                   (stored for the output kernel)
+    v_new = u - w S
+    S     = exp(G_last) * S + kg^T v_new        (kg = exp(G_last - G) * k)
+
+The initial state is read from, and the final state written back to, either a per-sequence tensor ``[N, H, K, V]``
+or a slot of a state pool ``[slots, H, K, V]`` chosen by ``state_indices``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_chunk_state_kernel(
+    w,
+    u,
+    kg,
+    G,
+    h,
+    v_new,
+    h0,
+    ht,
+    state_indices,
+    cu_seqlens,
+    chunk_offsets,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    w += bos * (H * K) + i_h * K
+    kg += bos * (H * K) + i_h * K
+    G += bos * (H * K) + i_h * K
+    u += bos * (H * V) + i_h * V
+    v_new += bos * (H * V) + i_h * V
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    offs_kv = o_k[:, None] * V + o_v[None, :]
+    offs_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    offs_tv = o_t[:, None] * (H * V) + o_v[None, :]
+
+    slot = i_n.to(tl.int64)
+    if USE_STATE_INDICES:
+        slot = tl.load(state_indices + i_n).to(tl.int64)
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INITIAL_STATE:
+        b_S = tl.load(h0 + (slot * H + i_h) * (K * V) + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
+
+    h += (boh * H + i_h) * (K * V)
+    for i_t in range(tl.cdiv(T, BT)):
+        # w, u, kg, G and v_new point at the current chunk (advanced below), so in-chunk offsets stay small
+        m_t = o_t < T - i_t * BT
+        tl.store(h + offs_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(w + offs_tk, mask=m_tk, other=0.0)
+        b_v = tl.load(u + offs_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_v -= tl.dot(b_w, b_S.to(b_w.dtype), input_precision=DOT_PREC)
+        tl.store(v_new + offs_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
+        b_kg = tl.load(kg + offs_tk, mask=m_tk, other=0.0)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        b_glast = tl.load(G + last * (H * K) + o_k, mask=m_k, other=0.0)
+        b_S = b_S * tl.exp2(b_glast)[:, None]
+        b_S += tl.dot(tl.trans(b_kg), b_v.to(b_kg.dtype), input_precision=DOT_PREC)
+        h += H * K * V
+        w += BT * H * K
+        kg += BT * H * K
+        G += BT * H * K
+        u += BT * H * V
+        v_new += BT * H * V
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + (slot * H + i_h) * (K * V) + offs_kv, b_S, mask=m_kv)

@@ -1,0 +1,320 @@
+"""Chunk-local stages of the Triton KDA prefill: gate + cumulative decay, then the intra-chunk WY/UT transform.
+
+Both kernels run one program per (chunk, head) over packed tokens (``cu_seqlens`` always given; a plain batch is
+packed by the caller). Log-decays are kept in log2 units (``G = cumsum(g) / ln 2``) so every decay is one
+``exp2``. A chunk of ``BT`` tokens is handled as ``NC = BT / 16`` sub-blocks of ``BC = 16`` rows:
+
+* off-diagonal blocks (rows i after columns j) factor ``exp(G_i - G_j) = exp(G_i - G_n) exp(G_n - G_j)`` around
+  ``G_n``, the decay at the first row of block i, so both exponents are <= 0 and a tensor-core dot does the sum;
+* diagonal blocks factor around their middle row when the decay spread inside the block is small enough for both
+  factors to stay finite (always, for moderate gates), else loop over their 16 columns with the exact pairwise
+  ``exp(G_i - G_j)``; the test is made at run time per block, so any gate is safe;
+* ``(I + A)^-1`` is the inverse of each 16x16 diagonal block by forward substitution, merged block-wise, and
+  stored to an fp32 scratch; after a CTA barrier it is read back whole, and ``w``, ``u`` (and the decayed k, q)
+  come from ``[BT, BT] x [BT, 32]`` dots over the chunk.
+
+The 16x16 dots run over K in slices of ``BKS`` columns, which keeps their replicated operands small in registers;
+the L2 norms of q and k are per-row scalars applied to the dot results.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+MAX_SPREAD = tl.constexpr(96.0)
+
+
+@triton.jit
+def kda_chunk_gate_kernel(
+    g,
+    G,
+    A_log,
+    dt_bias,
+    cu_seqlens,
+    chunk_indices,
+    lower_bound,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    GATE: tl.constexpr,
+    LOWER_BOUND: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # pointers start at the chunk, so offsets inside it are small
+    base = (bos + i_t * BT) * (H * K) + i_h * K
+    T = tl.minimum(eos - bos - i_t * BT, BT).to(tl.int32)
+    x = _tile(g + base, 0, 0, T, K, H * K, BT, BK)
+    if GATE:
+        o_k = tl.arange(0, BK)
+        x = x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :]
+        rate = tl.exp(tl.load(A_log + i_h))
+        if LOWER_BOUND:
+            x = lower_bound * tl.sigmoid(rate * x)
+        else:
+            # softplus with torch's threshold 20
+            x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    # padding rows come after every valid row, so they never reach a stored cumulative sum
+    _store_tile(G + base, tl.cumsum(x, axis=0) * LOG2E, 0, 0, T, K, H * K, BT, BK)
+
+
+@triton.jit
+def _tile(ptr, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
+    """[BR, BD] fp32 tile at (r0, c0) of a row-major [T, D] view with row stride `stride`; zero outside."""
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BD)
+    mask = (rows < T)[:, None] & (cols < D)[None, :]
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row(ptr, r, c0, stride, D: tl.constexpr, BD: tl.constexpr):
+    """Columns c0 .. c0+BD of row r (which must exist) as fp32, zero past column D."""
+    cols = c0 + tl.arange(0, BD)
+    return tl.load(ptr + r * stride + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BD)
+    mask = (rows < T)[:, None] & (cols < D)[None, :]
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_norms(q, k, r0, T, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+               L2NORM: tl.constexpr):  # fmt: skip
+    """1/|q| and 1/|k| (fla's eps inside the root) of rows r0 .. r0+BR, or ones without the L2 norm."""
+    rq = tl.full([BR], 1.0, dtype=tl.float32)
+    rk = tl.full([BR], 1.0, dtype=tl.float32)
+    if L2NORM:
+        sq = tl.zeros([BR], dtype=tl.float32)
+        sk = tl.zeros([BR], dtype=tl.float32)
+        for c in range(0, K, BS):
+            b_q = _tile(q, r0, c, T, K, H * K, BR, BS)
+            b_k = _tile(k, r0, c, T, K, H * K, BR, BS)
+            sq += tl.sum(b_q * b_q, axis=1)
+            sk += tl.sum(b_k * b_k, axis=1)
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+    return rq, rk
+
+
+@triton.jit
+def _block_rows(q, k, beta, r0, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+                L2NORM: tl.constexpr):  # fmt: skip
+    """Per-row data of the block at r0: valid mask, 1/|q|, 1/|k| and beta."""
+    rows = r0 + tl.arange(0, BC)
+    m = rows < T
+    rq, rk = _row_norms(q, k, r0, T, H, K, BC, BKS, L2NORM)
+    return m, rq, rk, tl.load(beta + rows * H, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _offdiag_block(q, k, G, Aqk, ri0, rj0, m_i, rq_i, rk_i, b_bi, rk_j, T, scale, H: tl.constexpr, K: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """Row block i (at ri0) against an earlier column block j (at rj0): stores A_qk, returns beta * A_kk."""
+    HK = H * K
+    # The pivot is the first row of block i (the last valid row if block i is all padding): it lies between every
+    # (i, j) pair, so both factors are decays and neither can overflow.
+    rn = tl.minimum(ri0, T - 1)
+    A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for c in range(0, K, BKS):
+        b_gn = _row(G, rn, c, HK, K, BKS)
+        e_i = tl.exp2(tl.where(m_i[:, None], _tile(G, ri0, c, T, K, HK, BC, BKS) - b_gn[None, :], -float("inf")))
+        b_kt = _tile(k, rj0, c, T, K, HK, BC, BKS) * tl.exp2(b_gn[None, :] - _tile(G, rj0, c, T, K, HK, BC, BKS))
+        b_kt = tl.trans(b_kt)
+        A_kk += tl.dot(_tile(k, ri0, c, T, K, HK, BC, BKS) * e_i, b_kt, input_precision=DOT_PREC)
+        A_qk += tl.dot(_tile(q, ri0, c, T, K, HK, BC, BKS) * e_i, b_kt, input_precision=DOT_PREC)
+    _store_tile(Aqk, A_qk * (rq_i * scale)[:, None] * rk_j[None, :], ri0, rj0, T, BT, H * BT, BC, BC)
+    return A_kk * (rk_i * b_bi)[:, None] * rk_j[None, :]
+
+
+@triton.jit
+def _diag_block(q, k, G, Aqk, r0, m, rq, rk, b_b, T, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, BKS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """One 16-row diagonal block: stores A_qk (lower, diagonal included), returns beta * A_kk (strictly lower)."""
+    HK = H * K
+    o_c = tl.arange(0, BC)
+    # Factored around the middle row, both exponents are bounded by the decay spread inside the block: when that is
+    # below MAX_SPREAD (log2 units) neither factor can overflow or vanish and one dot does the block; a block with a
+    # stronger decay takes the exact pairwise loop.
+    rm = tl.minimum(r0 + BC // 2, T - 1)
+    spread = 0.0
+    for c in range(0, K, BKS):
+        b_d = tl.abs(_tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rm, c, HK, K, BKS)[None, :])
+        spread = tl.maximum(spread, tl.max(tl.max(tl.where(m[:, None], b_d, 0.0), axis=1), axis=0))
+    A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    if spread <= MAX_SPREAD:
+        for c in range(0, K, BKS):
+            b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rm, c, HK, K, BKS)[None, :]
+            b_k = _tile(k, r0, c, T, K, HK, BC, BKS)
+            b_kt = tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf"))))
+            e = tl.exp2(tl.where(m[:, None], b_d, -float("inf")))
+            A_kk += tl.dot(b_k * e, b_kt, input_precision=DOT_PREC)
+            A_qk += tl.dot(_tile(q, r0, c, T, K, HK, BC, BKS) * e, b_kt, input_precision=DOT_PREC)
+    else:
+        for j in range(BC):
+            # exact pairwise decay, taken only for rows at or after j where the exponent is <= 0
+            keep = (o_c >= j) & m
+            rj = tl.minimum(r0 + j, T - 1)
+            col_kk = tl.zeros([BC], dtype=tl.float32)
+            col_qk = tl.zeros([BC], dtype=tl.float32)
+            for c in range(0, K, BKS):
+                b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rj, c, HK, K, BKS)[None, :]
+                b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * _row(k, rj, c, HK, K, BKS)[None, :]
+                col_kk += tl.sum(_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+                col_qk += tl.sum(_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            A_kk = tl.where(o_c[None, :] == j, col_kk[:, None], A_kk)
+            A_qk = tl.where(o_c[None, :] == j, col_qk[:, None], A_qk)
+    A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
+    _store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
+    return tl.where(o_c[:, None] > o_c[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
+
+
+@triton.jit
+def _unit_lower_inverse(A, BC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular [BC, BC] A, by forward substitution over rows."""
+    o_c = tl.arange(0, BC)
+    X = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where(o_c[:, None] == r, A, 0.0), axis=0)
+        # rows above r are final and row r is still e_r
+        X = tl.where(o_c[:, None] == r, X - tl.sum(a_r[:, None] * X, axis=0)[None, :], X)
+    return X
+
+
+@triton.jit
+def _neg_dot(a, b, DOT_PREC: tl.constexpr):
+    return -tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _wy_outputs(q, k, v, G, beta, Ai, w, u, kg, qg, T, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BS: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """Whole-chunk outputs from the stored Ai = (I + A)^-1, in column slices of BS:
+    w = Ai (beta exp(G) k), u = Ai (beta v), kg = exp(G_last - G) k, qg = scale exp(G) q (k, q normalised)."""
+    HK = H * K
+    o_t = tl.arange(0, BT)
+    m_t = o_t < T
+    m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
+    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    rq, rk = _row_norms(q, k, 0, T, H, K, BT, BS, L2NORM)
+    for c in range(0, K, BS):
+        b_g = _tile(G, 0, c, T, K, HK, BT, BS)
+        b_eg = tl.exp2(b_g)
+        b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
+        _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
+        _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
+        b_w = tl.dot(b_Ai, b_k * b_eg * b_b[:, None], input_precision=DOT_PREC)
+        _store_tile(w, b_w, 0, c, T, K, HK, BT, BS)
+    for c in range(0, V, BS):
+        b_u = tl.dot(b_Ai, _tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None], input_precision=DOT_PREC)
+        _store_tile(u, b_u, 0, c, T, V, H * V, BT, BS)
+
+
+@triton.jit
+def kda_chunk_intra_kernel(
+    q,
+    k,
+    v,
+    G,
+    beta,
+    w,
+    u,
+    kg,
+    qg,
+    Aqk,
+    Ai,
+    cu_seqlens,
+    chunk_indices,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BKS: tl.constexpr,
+    BS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # pointers start at the chunk, so row indices are chunk-relative and offsets small; T = valid rows of the chunk
+    t0 = bos + i_t * BT
+    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    q += t0 * (H * K) + i_h * K
+    k += t0 * (H * K) + i_h * K
+    G += t0 * (H * K) + i_h * K
+    w += t0 * (H * K) + i_h * K
+    kg += t0 * (H * K) + i_h * K
+    qg += t0 * (H * K) + i_h * K
+    v += t0 * (H * V) + i_h * V
+    u += t0 * (H * V) + i_h * V
+    beta += t0 * H + i_h
+    Aqk += t0 * (H * BT) + i_h * BT
+    Ai += t0 * (H * BT) + i_h * BT
+
+    r0 = 0
+    # Row block by row block (BT / BC of them, unrolled): the A blocks of the row and the inverse blocks
+    # Ai = (I + A)^-1 of the row (Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj), stored to the Ai scratch.
+    # Only the blocks on or below the diagonal of Aqk and Ai are written; their readers mask the rest.
+    m0, rq0, rk0, bb0 = _block_rows(q, k, beta, r0, T, H, K, BC, BKS, L2NORM)
+    A00 = _diag_block(q, k, G, Aqk, r0, m0, rq0, rk0, bb0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+    Ai00 = _unit_lower_inverse(A00, BC)
+    _store_tile(Ai, Ai00, r0, r0, T, BT, H * BT, BC, BC)
+
+    if BT > BC:
+        r1 = r0 + BC
+        m1, rq1, rk1, bb1 = _block_rows(q, k, beta, r1, T, H, K, BC, BKS, L2NORM)
+        A10 = _offdiag_block(q, k, G, Aqk, r1, r0, m1, rq1, rk1, bb1, rk0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        A11 = _diag_block(q, k, G, Aqk, r1, m1, rq1, rk1, bb1, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        Ai11 = _unit_lower_inverse(A11, BC)
+        _store_tile(Ai, Ai11, r1, r1, T, BT, H * BT, BC, BC)
+        Ai10 = _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai10, r1, r0, T, BT, H * BT, BC, BC)
+
+    if BT > 2 * BC:
+        r2 = r0 + 2 * BC
+        m2, rq2, rk2, bb2 = _block_rows(q, k, beta, r2, T, H, K, BC, BKS, L2NORM)
+        A20 = _offdiag_block(q, k, G, Aqk, r2, r0, m2, rq2, rk2, bb2, rk0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        A21 = _offdiag_block(q, k, G, Aqk, r2, r1, m2, rq2, rk2, bb2, rk1, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        A22 = _diag_block(q, k, G, Aqk, r2, m2, rq2, rk2, bb2, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        Ai22 = _unit_lower_inverse(A22, BC)
+        _store_tile(Ai, Ai22, r2, r2, T, BT, H * BT, BC, BC)
+        Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai21, r2, r1, T, BT, H * BT, BC, BC)
+        b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
+        Ai20 = _neg_dot(Ai22, b_s, DOT_PREC)
+        _store_tile(Ai, Ai20, r2, r0, T, BT, H * BT, BC, BC)
+
+        r3 = r0 + 3 * BC
+        m3, rq3, rk3, bb3 = _block_rows(q, k, beta, r3, T, H, K, BC, BKS, L2NORM)
+        A30 = _offdiag_block(q, k, G, Aqk, r3, r0, m3, rq3, rk3, bb3, rk0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        A31 = _offdiag_block(q, k, G, Aqk, r3, r1, m3, rq3, rk3, bb3, rk1, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        A32 = _offdiag_block(q, k, G, Aqk, r3, r2, m3, rq3, rk3, bb3, rk2, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        A33 = _diag_block(q, k, G, Aqk, r3, m3, rq3, rk3, bb3, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        Ai33 = _unit_lower_inverse(A33, BC)
+        _store_tile(Ai, Ai33, r3, r3, T, BT, H * BT, BC, BC)
+        Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai32, r3, r2, T, BT, H * BT, BC, BC)
+        b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
+        Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
+        _store_tile(Ai, Ai31, r3, r1, T, BT, H * BT, BC, BC)
+        b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
+        Ai30 = _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai30, r3, r0, T, BT, H * BT, BC, BC)
+
+    # every Ai block is stored: read them back as one [BT, BT] tile for the chunk-wide w and u
+    tl.debug_barrier()
+    _wy_outputs(q, k, v, G, beta, Ai, w, u, kg, qg, T, scale, H, K, V, BT, BS, L2NORM, DOT_PREC)

@@ -1,0 +1,59 @@
+"""Output stage of the Triton KDA prefill: every chunk in parallel, given the state at its start.
+
+``o = qg h_c + Aqk v_new`` per chunk, with ``qg = scale * exp(G) * q`` and the causal ``Aqk`` from the intra
+kernel, ``h_c`` and ``v_new`` from the state kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_chunk_output_kernel(
+    qg,
+    h,
+    Aqk,
+    v_new,
+    o,
+    cu_seqlens,
+    chunk_indices,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # pointers start at the chunk, so in-chunk offsets stay small
+    t0 = bos + i_t * BT
+    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    qg += t0 * (H * K) + i_h * K
+    Aqk += t0 * (H * BT) + i_h * BT
+    v_new += t0 * (H * V) + i_h * V
+    o += t0 * (H * V) + i_h * V
+    # chunks are numbered in the order of chunk_indices, which is also the order the state kernel stored h in
+    h += (i_c.to(tl.int64) * H + i_h) * (K * V)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < T
+    m_k = o_k < K
+    m_v = o_v < V
+
+    b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC)
+    # the intra kernel leaves Aqk above the diagonal and past the sequence end unwritten
+    m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
+    b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v_new + o_t[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
+    b_o += tl.dot(b_A, b_v, input_precision=DOT_PREC)
+    tl.store(o + o_t[:, None] * (H * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)

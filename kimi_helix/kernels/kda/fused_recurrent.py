@@ -1,0 +1,299 @@
+"""Triton fused recurrent KDA for decode (T = 1 per sequence) and speculative verify (T = k + 1).
+
+One program owns the ``[K, BV]`` slice of one head's fp32 state of one sequence and keeps it in registers while it
+walks that sequence's tokens, so the state, which dominates the traffic (2 MiB per sequence and layer at Kimi-Linear
+shapes), is read once and written once however many tokens are verified. Decode is therefore a state copy with a
+little arithmetic: the target is the device copy bandwidth.
+
+The state may live in an engine pool ``[slots, H, K, V]`` addressed by ``state_indices`` and is then updated in
+place; the forget gate may be computed in the kernel from its raw pre-activation (``kda_gate`` semantics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_recurrent_kda"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _softplus(x):
+    """softplus with torch's threshold 20; log1p(e) as log(u) * e / (u - 1) cancels the rounding of u = 1 + e."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    d = u - 1.0
+    lp = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def fused_recurrent_kda_fwd_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    o,
+    h0,
+    ht,
+    hs,
+    cu_seqlens,
+    state_indices,
+    A_log,
+    dt_bias,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_g_t,
+    stride_g_h,
+    stride_b_t,
+    stride_b_h,
+    scale,
+    lower_bound,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    STORE_ALL_STATES: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    # A 1-d grid (CUDA caps the other axes at 65535) with the V-blocks of one head adjacent, so neighbouring
+    # programs stream neighbouring columns of the same rows of the state.
+    NV = tl.cdiv(V, BV)
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_nh = pid // NV
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+
+    if USE_INITIAL_STATE:
+        b_h = tl.load(h0 + (slot * H + i_h) * (K * V) + off_kv, mask=mask_kv, other=0.0).to(tl.float32)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if GATE_IN_KERNEL:
+        b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        b_bias = tl.load(dt_bias + i_h * K + o_k, mask=mask_k, other=0.0).to(tl.float32)
+
+    for t in range(bos, eos):
+        b_q = tl.load(q + t * stride_q_t + i_h * stride_q_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + t * stride_k_t + i_h * stride_k_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=mask_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + t * stride_g_t + i_h * stride_g_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + t * stride_b_t + i_h * stride_b_h).to(tl.float32)
+        if USE_QK_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * scale
+        if GATE_IN_KERNEL:
+            b_x = b_g + b_bias
+            b_g = lower_bound * tl.sigmoid(b_rate * b_x) if USE_LOWER_BOUND else -b_rate * _softplus(b_x)
+
+        b_h *= tl.exp(b_g)[:, None]
+        # delta rule: store beta * (v - S^T k), the prediction error of the decayed memory for this key
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], axis=0)
+        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        if STORE_ALL_STATES:
+            tl.store(hs + (t * H + i_h) * (K * V) + off_kv, b_h, mask=mask_kv)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + (slot * H + i_h) * (K * V) + off_kv, b_h.to(ht.dtype.element_ty), mask=mask_kv)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _config(N: int, H: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences BV drops to 16 so
+    that more programs, hence more state loads, are in flight. Not yet tuned on the H200: `scripts/bench_kda_decode.py
+    --sweep` times the alternatives."""
+    bv = min(triton.next_power_of_2(V), 32)
+    if N * H * triton.cdiv(V, bv) < 1024:
+        bv = min(bv, 16)
+    return bv, 4
+
+
+def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, int, int]:
+    """View ``[B, T, H(, D)]`` as token-major rows ``[B*T, H(, D)]``; returns it with its (token, head) strides."""
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-d, got shape {list(x.shape)}")
+    x = x.flatten(0, 1)
+    if ndim == 4 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, x.stride(0), x.stride(1)
+
+
+def _check_index(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    if t.dim() != 1 or t.numel() != numel or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32/int64 tensor of shape [{numel}], got {t.dtype} {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    return_intermediate_states: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA in one kernel; the contract of ``naive_recurrent_kda`` plus a state pool and a fused gate.
+
+    Per step with state ``S [K, V]``: ``S = S * exp(g_t)[:, None]; v' = beta_t (v_t - S^T k_t); S = S + k_t v'^T;
+    o_t = S^T (q_t * scale)``. All maths is fp32. Sequence boundaries are not validated on the host (that would
+    sync): ``cu_seqlens`` must be non-decreasing from 0 to ``T`` and ``state_indices`` distinct and in range.
+
+    Args:
+        q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.  beta: ``[B, T, H]``.  Any float dtype. Read in place when
+            the last dim is contiguous and B, T flatten to one token axis (e.g. slices of a fused qkv projection);
+            copied otherwise.
+        g: ``[B, T, H, K]`` fp32 log-decay, or the raw gate pre-activation when ``A_log`` is given.
+        scale: multiplies q after the optional L2 norm; defaults to ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` (N = B, or the number of packed sequences) or None for zeros; with
+            ``state_indices``, the contiguous fp32 POOL ``[slots, H, K, V]``.
+        output_final_state: return the state after each sequence's last token; with ``state_indices`` it is
+            written IN PLACE into the pool (only the listed slots change) and the pool is returned.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (``x / sqrt(sum(x^2) + 1e-6)``) before use.
+        cu_seqlens: ``[N + 1]`` int32/int64 boundaries of a packed ``B == 1`` input.
+        state_indices: ``[N]`` int32/int64 pool slot of each sequence.
+        return_intermediate_states: return the state after every token instead of the final one (for rolling back
+            speculative decoding); a pool is still updated in place when ``output_final_state``.
+        A_log: ``H`` elements; with ``dt_bias`` (``H * K`` elements), ``g`` is the raw pre-activation ``f`` and the
+            kernel applies ``kda_gate(f, A_log, dt_bias, lower_bound)``.
+        dt_bias: see ``A_log``.
+        lower_bound: negative bound of Kimi K3's sigmoid gate, or None for Kimi-Linear's softplus gate.
+
+    Returns:
+        ``(o [B, T, H, V] in q.dtype, final_state)``: ``final_state`` is ``[N, H, K, V]`` fp32 (the pool itself with
+        ``state_indices``) or None; with ``return_intermediate_states`` it is ``[B * T, H, K, V]`` fp32 in packed
+        token order.
+    """
+    if q.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q and v must have shape [B, T, H, K] and [B, T, H, V], got {list(q.shape)}, {list(v.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    for name, t, shape in (
+        ("k", k, (B, T, H, K)),
+        ("v", v, (B, T, H, V)),
+        ("g", g, (B, T, H, K)),
+        ("beta", beta, (B, T, H)),
+    ):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype must be fp32, fp16 or bf16, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1 (packed input [1, total_T, ...]), got B={B}")
+        _check_index("cu_seqlens", cu_seqlens, max(cu_seqlens.numel(), 2), q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias must be given together (the in-kernel gate needs both)")
+    if A_log is not None:
+        if A_log.numel() != H or dt_bias.numel() != H * K:
+            raise ValueError(
+                f"A_log needs H={H} and dt_bias H*K={H * K} elements, got {A_log.numel()}, {dt_bias.numel()}"
+            )
+        A_log, dt_bias = A_log.reshape(H).contiguous(), dt_bias.reshape(H * K).contiguous()
+    elif lower_bound is not None:
+        raise ValueError("lower_bound applies to the in-kernel gate only: pass A_log and dt_bias")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    if state_indices is not None:
+        if initial_state is None:
+            raise ValueError("state_indices addresses a state pool: pass the pool as initial_state")
+        _check_index("state_indices", state_indices, N, q.device)
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (H, K, V):
+            raise ValueError(
+                f"initial_state (the pool) must have shape [slots, {H}, {K}, {V}], got {list(initial_state.shape)}"
+            )
+        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            raise ValueError("the state pool must be a contiguous fp32 tensor: it is updated in place")
+    elif initial_state is not None:
+        if tuple(initial_state.shape) != (N, H, K, V):
+            raise ValueError(
+                f"initial_state must have shape [N, H, K, V]={[N, H, K, V]}, got {list(initial_state.shape)}"
+            )
+        initial_state = initial_state.contiguous()
+
+    q_, sqt, sqh = _token_major("q", q, 4)
+    k_, skt, skh = _token_major("k", k, 4)
+    v_, svt, svh = _token_major("v", v, 4)
+    g_, sgt, sgh = _token_major("g", g, 4)
+    b_, sbt, sbh = _token_major("beta", beta, 3)
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    states = None
+    if return_intermediate_states:
+        states = torch.empty(B * T, H, K, V, dtype=torch.float32, device=q.device)
+    final = None
+    if output_final_state and state_indices is not None:
+        final = initial_state
+    elif output_final_state and not return_intermediate_states:
+        final = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+    bv, num_warps = _config(N, H, V)
+    grid = (N * H * triton.cdiv(V, bv),)
+    fused_recurrent_kda_fwd_kernel[grid](
+        q_, k_, v_, g_, b_, o, initial_state, final, states, cu_seqlens, state_indices, A_log, dt_bias,
+        sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh,
+        K**-0.5 if scale is None else scale, 0.0 if lower_bound is None else lower_bound, T,
+        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=bv,
+        IS_VARLEN=cu_seqlens is not None,
+        USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=final is not None,
+        STORE_ALL_STATES=states is not None,
+        USE_STATE_INDICES=state_indices is not None,
+        USE_QK_L2NORM=use_qk_l2norm_in_kernel,
+        GATE_IN_KERNEL=A_log is not None,
+        USE_LOWER_BOUND=lower_bound is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
+    if return_intermediate_states:
+        return o, states
+    return o, final

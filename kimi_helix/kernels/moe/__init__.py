@@ -1,0 +1,18 @@
+"""Routed mixture-of-experts ops: sigmoid top-k routing and the fused routed experts (dispatched by the switch)."""
+
+from __future__ import annotations
+
+from kimi_helix.kernels.backends import op_backend
+from kimi_helix.kernels.moe.naive import fused_experts_ref, moe_router_ref
+
+
+def fused_experts(x, gate_up_proj, down_proj, weights, ids, *, backend=None):
+    """Routed experts: x [T, d], gate_up_proj [E, 2I, d], down_proj [E, d, I], weights/ids [T, k] -> [T, d]."""
+    if op_backend("moe_experts", x, forced=backend) == "triton":
+        from kimi_helix.kernels.moe.triton import fused_experts_triton
+
+        return fused_experts_triton(x, gate_up_proj, down_proj, weights, ids)
+    return fused_experts_ref(x, gate_up_proj, down_proj, weights, ids)
+
+
+__all__ = ["fused_experts", "fused_experts_ref", "moe_router_ref"]

@@ -1,0 +1,207 @@
+"""Benchmark the MLA decode/verify kernel (absorbed MLA over the paged latent cache) against the GPU's roofline.
+
+    python scripts/bench_mla.py            # the full grid (H200: a few minutes)
+    python scripts/bench_mla.py --quick    # a subset plus the target cases, for limited GPU time
+    python scripts/bench_mla.py --smoke    # tiny shapes; runs on the CPU under the Triton interpreter
+
+Each case is timed with triton.testing.do_bench (median) while rotating over several block tables into one large
+cache, so the latents come from HBM rather than L2. TB/s counts the latents read once plus q, out and lse; TFLOP/s
+counts 2 * s_q * sum(s_k) * H * (2 * kv_lora_rank + rope_dim). The same run measures the roofline (a >= 1 GiB
+device-to-device copy, read + write, and a bf16 8192^3 matmul). One JSON object per case goes to
+<out>/mla_decode.jsonl; a failing case is recorded with its error and the run goes on. A markdown table ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
+from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
+
+KV_LORA, ROPE, PAGE_SIZE = 512, 64, 64
+FP8 = torch.float8_e4m3fn
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}
+ROTATE_BYTES = 1 << 30  # latents touched across the rotated block tables: far beyond the 60 MB L2
+
+GRID = dict(b=[1, 32, 128], h=[16, 32, 64, 96, 128], s_q=[1, 2, 4], s_k=[4096, 8192, 32768], kv=["bf16", "fp8"])
+QUICK = dict(b=[1, 128], h=[16, 128], s_q=[1, 4], s_k=[8192], kv=["bf16", "fp8"])
+# The targets: memory-bound H=16, compute-bound H=128, and verify (s_q=4) against decode for H <= 32.
+TARGETS = [
+    (128, 16, 1, 8192, "bf16"),
+    (128, 128, 1, 8192, "bf16"),
+    (128, 32, 1, 8192, "bf16"),
+    (128, 32, 4, 8192, "bf16"),
+]
+REF_CASES = [(1, 16, 1, 4096, "bf16"), (1, 128, 4, 4096, "bf16")]  # the torch reference is slow: small ones only
+SMOKE = dict(b=[2], h=[1, 16], s_q=[1, 2], s_k=[40], kv=["fp16", "fp8"])
+
+
+def bench(fn, device) -> float:
+    """Median milliseconds of fn(): do_bench's CUDA events on the GPU, wall clock (few reps) on the CPU."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def roofline(device, smoke: bool) -> tuple[float, float]:
+    """(copy TB/s counting read + write, bf16 matmul TFLOP/s) measured now on this device."""
+    n_bytes, n = (1 << 20, 128) if smoke else (1 << 31, 8192)
+    src = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src), device)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm_ms = bench(lambda: a @ b, device)
+    return 2 * n_bytes / copy_ms / 1e9, 2 * n**3 / mm_ms / 1e9
+
+
+class Cache:
+    """A paged latent cache large enough for several disjoint block tables of one (b, s_k, kv) shape."""
+
+    def __init__(self, b, s_k, kv, device, q_dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        # Lengths spread +-25% around the mean, as a continuous batch has.
+        lens = torch.randint(max(1, s_k * 3 // 4), s_k * 5 // 4 + 1, (b,), generator=gen)
+        pages_per_seq = (lens + PAGE_SIZE - 1) // PAGE_SIZE
+        need = int(pages_per_seq.sum())
+        elem = 1 if kv == "fp8" else 2
+        page_bytes = PAGE_SIZE * (KV_LORA + ROPE) * elem
+        self.rotations = max(1, min(16, ROTATE_BYTES // (need * page_bytes)))
+        num_pages = need * self.rotations
+        perm = torch.randperm(num_pages, generator=gen).int()
+        max_pages = int(pages_per_seq.max())
+        self.tables = []
+        for r in range(self.rotations):
+            table = torch.zeros(b, max_pages, dtype=torch.int32)
+            ids = perm[r * need : (r + 1) * need].split(pages_per_seq.tolist())
+            for i, p in enumerate(ids):
+                table[i, : len(p)] = p
+            self.tables.append(table.to(device))
+        self.lens = lens.int().to(device)
+        self.total_keys = int(lens.sum())
+        data = torch.randn(num_pages, PAGE_SIZE, KV_LORA + ROPE, device=device, dtype=q_dtype)
+        if kv == "fp8":
+            self.scale = torch.rand(num_pages, PAGE_SIZE, device=device) * 0.02 + 0.01
+            self.kv = (data.float() / self.scale[..., None]).clamp(-448, 448).to(FP8)
+        else:
+            self.scale, self.kv = None, data.to(KV_DTYPES[kv])
+        self.kv_bytes = self.total_keys * ((KV_LORA + ROPE) * elem + (4 if kv == "fp8" else 0))
+
+
+def run_case(cache, b, h, s_q, backend, device, q_dtype):
+    """Time one case; returns (ms, tbps, tflops)."""
+    gen = torch.Generator().manual_seed(h * 7 + s_q)
+    T = b * s_q
+    q = torch.randn(T, h, KV_LORA + ROPE, generator=gen).to(device=device, dtype=q_dtype)
+    cu = torch.arange(0, T + 1, s_q, dtype=torch.int32, device=device)
+    fn = mla_decode_triton if backend == "triton" else mla_decode_ref
+    tables = itertools.cycle(cache.tables)
+
+    def call():
+        return fn(q, cache.kv, next(tables), cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
+
+    ms = bench(call, device)
+    io_bytes = cache.kv_bytes + q.numel() * q.element_size() + T * h * (KV_LORA * q.element_size() + 4)
+    flops = 2 * s_q * cache.total_keys * h * (2 * KV_LORA + ROPE)
+    return ms, io_bytes / ms / 1e9, flops / ms / 1e9
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> list[dict]:
+    """Run the benchmark; returns the records written."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a subset plus the target cases")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter): checks it runs")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
+    for key in GRID:
+        ap.add_argument(f"--{key.replace('_', '-')}", nargs="+", type=str if key == "kv" else int, help="override")
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q_dtype = torch.float16 if args.smoke else torch.bfloat16  # the interpreter computes bf16 wrongly
+    grid = dict(SMOKE if args.smoke else QUICK if args.quick else GRID)
+    grid.update({k: getattr(args, k) for k in GRID if getattr(args, k) is not None})
+    cases = list(itertools.product(grid["b"], grid["h"], grid["s_q"], grid["s_k"], grid["kv"]))
+    if args.quick:
+        cases += [c for c in TARGETS if c not in cases]
+    runs = [(c, "triton") for c in cases]
+    if not args.quick:
+        runs += [(c, "torch") for c in (cases[:2] if args.smoke else REF_CASES)]
+
+    copy_tbps, matmul_tflops = roofline(device, args.smoke)
+    base = dict(
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit(),
+        copy_tbps=round(copy_tbps, 3),
+        matmul_tflops=round(matmul_tflops, 1),
+    )
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records, cache, cache_key = [], None, None
+    # Appended case by case: a killed run keeps what it measured.
+    with open(out_dir / "mla_decode.jsonl", "a") as results:
+        # Grouped by cache shape so each large cache is built once.
+        for (b, h, s_q, s_k, kv), backend in sorted(runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1])):
+            rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, ms=None, tbps=None, tflops=None)
+            try:
+                if cache_key != (b, s_k, kv):
+                    cache, cache_key = None, None  # free the previous one first
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    cache, cache_key = Cache(b, s_k, kv, device, q_dtype), (b, s_k, kv)
+                ms, tbps, tflops = run_case(cache, b, h, s_q, backend, device, q_dtype)
+                rec.update(ms=round(ms, 4), tbps=round(tbps, 3), tflops=round(tflops, 1), error=None)
+            except Exception as err:  # a failing case is recorded, the rest still run
+                rec["error"] = f"{type(err).__name__}: {err}"[:500]
+            records.append(rec)
+            results.write(json.dumps(rec) + "\n")
+            results.flush()
+            print(json.dumps(rec), file=sys.stderr, flush=True)
+
+    print(f"\n{base['gpu']}: copy {copy_tbps:.2f} TB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s\n")
+    print("| backend | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if r["error"]:
+            print(f"| {r['backend']} | {r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']} | error: "
+                  f"{r['error'][:60]} | | |")  # fmt: skip
+        else:
+            print(f"| {r['backend']} | {r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']} | "
+                  f"{r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} |")  # fmt: skip
+    return records
+
+
+if __name__ == "__main__":
+    main()

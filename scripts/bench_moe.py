@@ -1,0 +1,199 @@
+"""Benchmark the fused routed experts (Triton) against the weight-bandwidth and matmul floors.
+
+    python scripts/bench_moe.py            # Kimi-Linear shapes: 256 experts, top-8, d=2304, I=1024, bf16
+    python scripts/bench_moe.py --sweep    # also time a grid of tile configs per token count
+    python scripts/bench_moe.py --smoke    # tiny shapes; runs on the CPU under the Triton interpreter
+
+Routing is uniform: k distinct random experts per token, rotated over several routings so consecutive calls touch
+other experts and the weights come from HBM rather than L2. Backends: `triton` timed by replaying a CUDA graph
+(what a graph-captured decode step sees), `triton_eager` timed call by call (launch overhead included), and
+`torch_ref`, the reference loop, for T <= 128 only. The weight floor is the bytes of the distinct experts a call
+touches (3 * d * I * 2 each) over the copy bandwidth measured in the same run (a >= 1 GiB device-to-device copy,
+read + write); the matmul floor is 2 * T * k * 3 * d * I over the measured bf16 8192^3 matmul rate. One JSON object
+per (tokens, backend) goes to <out>/moe.jsonl; a failing case is recorded with its error. A markdown table ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+from kimi_helix.kernels.moe import fused_experts_ref  # noqa: E402
+from kimi_helix.kernels.moe.triton import MoeConfig, fused_experts_triton  # noqa: E402
+
+KIMI = dict(experts=256, top_k=8, d=2304, inter=1024, tokens=[1, 16, 128, 4096])
+SMOKE = dict(experts=8, top_k=2, d=32, inter=16, tokens=[1, 5])
+REF_MAX_TOKENS = 128  # the reference is a Python loop over experts
+ROUTINGS = 8
+SWEEP = [
+    MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4),
+    MoeConfig(16, 32, 128, 32, 128, num_warps=2, num_stages=4),
+    MoeConfig(16, 16, 256, 32, 256, num_warps=4, num_stages=3),
+    MoeConfig(16, 64, 128, 64, 128, num_warps=4, num_stages=4),
+    MoeConfig(32, 64, 64, 64, 128, num_warps=4, num_stages=4),
+    MoeConfig(64, 64, 64, 128, 64, num_warps=4, num_stages=3),
+    MoeConfig(64, 128, 64, 256, 64, num_warps=8, num_stages=3),
+    MoeConfig(128, 64, 64, 128, 64, num_warps=8, num_stages=3),
+    MoeConfig(128, 128, 64, 256, 64, num_warps=8, num_stages=3),
+    MoeConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=4),
+    MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 32, 256, num_warps=4, num_stages=3, sort_pairs=False),
+]
+
+
+def bench(fn, device, graph: bool = False) -> float:
+    """Milliseconds of fn(): CUDA-graph replay (mean) or do_bench (median) on the GPU, wall clock on the CPU."""
+    if device.type == "cuda":
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=100)
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def roofline(device, smoke: bool) -> tuple[float, float]:
+    """(copy TB/s counting read + write, bf16 matmul TFLOP/s) measured now on this device."""
+    n_bytes, n = (1 << 20, 128) if smoke else (1 << 31, 8192)
+    src = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src), device)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm_ms = bench(lambda: a @ b, device)
+    return 2 * n_bytes / copy_ms / 1e9, 2 * n**3 / mm_ms / 1e9
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def config_name(cfg: MoeConfig) -> str:
+    return (
+        f"m{cfg.block_m}_gu{cfg.block_n_gate_up}x{cfg.block_k_gate_up}_dn{cfg.block_n_down}x{cfg.block_k_down}"
+        f"_w{cfg.num_warps}s{cfg.num_stages}{'' if cfg.sort_pairs else '_unsorted'}"
+    )
+
+
+def make_call(backend, cfg, x, gate_up, down, routings):
+    """A no-argument call of one backend that takes the next routing on each call."""
+    rotation = itertools.cycle(routings)
+    if backend == "torch_ref":
+        return lambda: fused_experts_ref(x, gate_up, down, *next(rotation))
+    return lambda: fused_experts_triton(x, gate_up, down, *next(rotation), config=cfg)
+
+
+def main(argv=None) -> list[dict]:
+    """Run the benchmark; returns the records written."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter): checks it runs")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile config in SWEEP")
+    ap.add_argument("--tokens", nargs="+", type=int, help="override the token counts")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # the interpreter computes bf16 wrongly
+    shape = SMOKE if args.smoke else KIMI
+    E, k, d, inter = shape["experts"], shape["top_k"], shape["d"], shape["inter"]
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(E, 2 * inter, d, generator=gen) * d**-0.5).to(device, dtype)
+    down = (torch.randn(E, d, inter, generator=gen) * inter**-0.5).to(device, dtype)
+    expert_bytes = 3 * d * inter * gate_up.element_size()
+
+    copy_tbps, matmul_tflops = roofline(device, args.smoke)
+    base = dict(
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit(),
+        experts=E,
+        top_k=k,
+        d=d,
+        inter=inter,
+        dtype=str(dtype).removeprefix("torch."),
+        copy_tbps=round(copy_tbps, 3),
+        matmul_tflops=round(matmul_tflops, 1),
+    )
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    # Appended case by case: a killed run keeps what it measured.
+    with open(out_dir / "moe.jsonl", "a") as results:
+        for T in args.tokens or shape["tokens"]:
+            x = torch.randn(T, d, generator=gen).to(device, dtype)
+            routings = []
+            for _ in range(ROUTINGS):
+                ids = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :k]
+                routings.append(((torch.rand(T, k, generator=gen) + 0.1).to(device), ids.to(device)))
+            touched = statistics.mean(ids.unique().numel() for _, ids in routings)
+            weight_bytes = touched * expert_bytes
+            flops = 2 * T * k * 3 * d * inter
+            bw_floor_ms = weight_bytes / copy_tbps / 1e9
+            mm_floor_ms = flops / matmul_tflops / 1e9
+            runs = [("triton", None, True), ("triton_eager", None, False)]
+            if T <= REF_MAX_TOKENS:
+                runs.append(("torch_ref", None, False))
+            if args.sweep:
+                # unsorted re-reads an expert for every pair that picks it: hopeless past a few tokens
+                runs += [(f"triton:{config_name(c)}", c, True) for c in SWEEP if c.sort_pairs or T <= 4]
+            for backend, cfg, graph in runs:
+                rec = dict(base, tokens=T, backend=backend, experts_touched=touched, ms=None)
+                try:
+                    ms = bench(make_call(backend, cfg, x, gate_up, down, routings), device, graph=graph)
+                    rec.update(
+                        ms=round(ms, 4),
+                        tbps_weights=round(weight_bytes / ms / 1e9, 3),
+                        pct_of_bw_floor=round(100 * bw_floor_ms / ms, 1),
+                        tflops=round(flops / ms / 1e9, 2),
+                        pct_of_mm_floor=round(100 * mm_floor_ms / ms, 1),
+                        bw_floor_ms=round(bw_floor_ms, 4),
+                        mm_floor_ms=round(mm_floor_ms, 4),
+                        timing="cuda_graph" if graph and device.type == "cuda" else "per_call",
+                        error=None,
+                    )
+                except Exception as err:  # a failing case is recorded, the rest still run
+                    rec["error"] = f"{type(err).__name__}: {err}"[:500]
+                records.append(rec)
+                results.write(json.dumps(rec) + "\n")
+                results.flush()
+                print(json.dumps(rec), file=sys.stderr, flush=True)
+
+    print(f"\n{base['gpu']}: copy {copy_tbps:.2f} TB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s\n")
+    print("| tokens | backend | experts | ms | weight TB/s | % bw floor | TFLOP/s | % mm floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if r["error"]:
+            print(f"| {r['tokens']} | {r['backend']} | | error: {r['error'][:60]} | | | | |")
+        else:
+            print(f"| {r['tokens']} | {r['backend']} | {r['experts_touched']:.1f} | {r['ms']:.4f} | "
+                  f"{r['tbps_weights']:.2f} | {r['pct_of_bw_floor']:.1f} | {r['tflops']:.1f} | "
+                  f"{r['pct_of_mm_floor']:.1f} |")  # fmt: skip
+    return records
+
+
+if __name__ == "__main__":
+    main()

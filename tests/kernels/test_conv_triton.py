@@ -1,0 +1,193 @@
+"""Triton short causal conv against the torch reference: prefill (batch and varlen, with and without caches), the
+state pool read and written in place, the one-token update, and prefill followed by decode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update  # noqa: E402
+from kimi_helix.kernels.conv.triton import causal_conv1d_triton, causal_conv1d_update_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+D, W = 40, 4  # D spans two masked channel blocks under the interpreter
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+LENS = [3, 1, 9, 0, 2, 20]  # shorter than W - 1, empty, and longer than a token block
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled floats, so an output element the kernel never writes cannot pass."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Assert every element is finite and ||actual - expected|| / ||expected|| < tol (fp64)."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, b = actual.double().cpu(), expected.double().cpu()
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def rnd(*shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "state"])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_matches_naive(dtype, varlen, with_state, activation):
+    B, T = (1, sum(LENS)) if varlen else (2, 7)
+    N = len(LENS) if varlen else B
+    x, w = rnd(B, T, D, seed=1, dtype=dtype), rnd(D, W, seed=2, dtype=dtype)
+    kw = dict(
+        initial_state=rnd(N, W - 1, D, seed=3, dtype=dtype) if with_state else None,
+        output_final_state=True,
+        cu_seqlens=cu(LENS) if varlen else None,
+        activation=activation,
+    )
+    y, s = causal_conv1d_triton(x, w, **kw)
+    y_ref, s_ref = causal_conv1d(x, w, **kw)
+    assert y.dtype == s.dtype == dtype
+    assert_rel_close("y", y, y_ref, TOL[dtype])
+    assert torch.equal(s, s_ref), "the final cache is a copy of inputs: it must be exact"
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_other_widths(width):
+    x, w = rnd(1, sum(LENS), D, seed=4), rnd(D, width, seed=5)
+    kw = dict(initial_state=rnd(len(LENS), width - 1, D, seed=6), output_final_state=True, cu_seqlens=cu(LENS))
+    y, s = causal_conv1d_triton(x, w, **kw)
+    y_ref, s_ref = causal_conv1d(x, w, **kw)
+    assert_rel_close("y", y, y_ref, 1e-5)
+    assert torch.equal(s, s_ref)
+    state = rnd(3, width - 1, D, seed=7)
+    state_ref = state.clone()
+    x1 = rnd(3, D, seed=8)
+    assert_rel_close(
+        "update y", causal_conv1d_update_triton(x1, state, w), causal_conv1d_update(x1, state_ref, w), 1e-5
+    )
+    assert torch.equal(state, state_ref)
+
+
+@pytest.mark.parametrize("output_final_state", [False, True])
+def test_state_pool_in_place(output_final_state):
+    lens, slots = [4, 1, 6], torch.tensor([5, 0, 2], device=DEVICE, dtype=torch.int32)
+    x, w = rnd(1, sum(lens), D, seed=9), rnd(D, W, seed=10)
+    pool = rnd(7, W - 1, D, seed=11)
+    before = pool.clone()
+    y, ret = causal_conv1d_triton(
+        x, w, initial_state=pool, output_final_state=output_final_state, cu_seqlens=cu(lens), state_indices=slots
+    )
+    y_ref, s_ref = causal_conv1d(x, w, initial_state=before[slots], output_final_state=True, cu_seqlens=cu(lens))
+    assert_rel_close("y", y, y_ref, 1e-5)
+    untouched = [i for i in range(7) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+    if output_final_state:
+        assert ret is pool and torch.equal(pool[slots], s_ref)
+    else:
+        assert ret is None and torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pooled", [False, True], ids=["dense", "pool"])
+def test_update_matches_naive(dtype, pooled):
+    N, w, x = 3, rnd(D, W, seed=12, dtype=dtype), rnd(3, D, seed=13, dtype=dtype)
+    slots = torch.tensor([4, 1, 2], device=DEVICE) if pooled else None
+    state = rnd(6 if pooled else N, W - 1, D, seed=14, dtype=dtype)
+    before = state.clone()
+    y = causal_conv1d_update_triton(x, state, w, state_indices=slots)
+    rows = slots if pooled else torch.arange(N, device=DEVICE)
+    dense = before[rows].clone()
+    y_ref = causal_conv1d_update(x, dense, w)
+    assert_rel_close("y", y, y_ref, TOL[dtype])
+    assert torch.equal(state[rows], dense)
+    if pooled:
+        assert torch.equal(state[[0, 3, 5]], before[[0, 3, 5]])
+
+
+def test_prefill_then_decode():
+    T = 9
+    x, w = rnd(2, T, D, seed=15), rnd(D, W, seed=16)
+    s0 = rnd(2, W - 1, D, seed=17)
+    y_full, s_full = causal_conv1d(x, w, initial_state=s0, output_final_state=True)
+    P = T - 5
+    y_pre, s = causal_conv1d_triton(x[:, :P], w, initial_state=s0, output_final_state=True)
+    ys = [y_pre] + [causal_conv1d_update_triton(x[:, t], s, w)[:, None] for t in range(P, T)]
+    assert_rel_close("y", torch.cat(ys, dim=1), y_full, 1e-5)
+    assert torch.equal(s, s_full)
+
+
+def test_strided_input():
+    """x sliced out of a wider projection (token stride > D) is read in place."""
+    wide = rnd(2, 5, 2 * D, seed=18)
+    x, w = wide[..., :D], rnd(D, W, seed=19)
+    y, _ = causal_conv1d_triton(x, w)
+    y_ref, _ = causal_conv1d(x, w)
+    assert_rel_close("y", y, y_ref, 1e-5)
+    s = rnd(2, W - 1, D, seed=20)
+    s_ref = s.clone()
+    assert_rel_close(
+        "update", causal_conv1d_update_triton(wide[:, 0, :D], s, w), causal_conv1d_update(x[:, 0], s_ref, w), 1e-5
+    )
+
+
+def test_bad_arguments_raise():
+    x, w = rnd(2, 3, D, seed=21), rnd(D, W, seed=22)
+    with pytest.raises(ValueError, match="weight"):
+        causal_conv1d_triton(x, w[:-1])
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_triton(x, w, activation="relu")
+    with pytest.raises(ValueError, match="initial_state"):
+        causal_conv1d_triton(x, w, initial_state=rnd(3, W - 1, D, seed=0))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_conv1d_triton(x, w, cu_seqlens=cu([3, 3]))
+    with pytest.raises(ValueError, match="pool"):
+        causal_conv1d_triton(x, w, state_indices=torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="state_indices"):
+        causal_conv1d_update_triton(x[:, 0], rnd(4, W - 1, D, seed=0), w, state_indices=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d_update_triton(x[:, 0], rnd(3, W - 1, D, seed=0), w)
+
+
+# ------------------------------------------------------------------------------------- GPU, bf16, real shapes
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_real_shapes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    Dr, slots = 3 * 4096, 64  # q, k and v of Kimi-Linear stacked, as the model runs them
+    lens = [1, 2, 3, 17, 300, 1000]
+    idx = torch.randperm(slots, device=DEVICE)[: len(lens)]
+    x, w = rnd(1, sum(lens), Dr, seed=23, dtype=torch.bfloat16), rnd(Dr, W, seed=24, dtype=torch.bfloat16)
+    pool = rnd(slots, W - 1, Dr, seed=25, dtype=torch.bfloat16)
+    before = pool.clone()
+    y, _ = causal_conv1d_triton(
+        x, w, initial_state=pool, output_final_state=True, cu_seqlens=cu(lens), state_indices=idx
+    )
+    y_ref, s_ref = causal_conv1d(x, w, initial_state=before[idx], output_final_state=True, cu_seqlens=cu(lens))
+    assert_rel_close("prefill y", y, y_ref, TOL[torch.bfloat16])
+    assert torch.equal(pool[idx], s_ref)
+    x1 = rnd(len(lens), Dr, seed=26, dtype=torch.bfloat16)
+    dense = pool[idx].clone()
+    y1 = causal_conv1d_update_triton(x1, pool, w, state_indices=idx)
+    assert_rel_close("update y", y1, causal_conv1d_update(x1, dense, w), TOL[torch.bfloat16])
+    assert torch.equal(pool[idx], dense)

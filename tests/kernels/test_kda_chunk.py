@@ -1,0 +1,265 @@
+"""Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
+fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong gates; bf16
+at real shapes and fla parity on the GPU; plus the prefill benchmark's smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
+from kimi_helix.kernels.kda.chunk import chunk_kda  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, K, V = 2, 32, 16  # K != V so a transposed state cannot pass; K spans two 16-wide slices of the intra kernel
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+LENS = [17, 0, 5, 40]  # packed sequences: across a chunk boundary, empty, short, three chunks of 16
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled floats, so an output or intermediate the kernels never write cannot pass."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Assert every element is finite and ||actual - expected|| / ||expected|| < tol (fp64)."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, b = actual.double().cpu(), expected.double().cpu()
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def make_inputs(B, T, seed, dtype=torch.float32, h=H, k=K, v=V, n_states=None, raw_gate=False, lower_bound=None):
+    """Random inputs on DEVICE: q, k, v, g (log-decay, or the raw pre-activation when raw_gate), beta, s0, and the
+    gate parameters (A_log, dt_bias)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, kk, vv = rnd(B, T, h, k), rnd(B, T, h, k), rnd(B, T, h, v)
+    A_log = rnd(h) * 0.5
+    dt_bias = rnd(h * k) * 0.5 - 1.0
+    f = rnd(B, T, h, k) * 3.0
+    g = f if raw_gate else kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(rnd(B, T, h))
+    s0 = rnd(n_states or B, h, k, v) * 0.3
+    out = [q.to(dtype), kk.to(dtype), vv.to(dtype), g, beta.to(dtype), s0, A_log, dt_bias]
+    return [t.to(DEVICE) for t in out]
+
+
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 40])
+def test_matches_references(T):
+    q, k, v, g, beta, s0, _, _ = make_inputs(2, T, seed=T)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
+    assert o.dtype == q.dtype and s.dtype == torch.float32 and s.shape == (2, H, K, V)
+    o_c, s_c = naive_chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
+    o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    for ref, (o_ref, s_ref) in (("chunk", (o_c, s_c)), ("recurrent", (o_r, s_r))):
+        assert_rel_close(f"o vs {ref}", o, o_ref, 1e-5)
+        assert_rel_close(f"final_state vs {ref}", s, s_ref, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_large_chunks(chunk_size, dtype):
+    """The production tiles: 2 and 4 sub-blocks per chunk, a partial last chunk."""
+    q, k, v, g, beta, s0, _, _ = make_inputs(1, 70, seed=chunk_size, dtype=dtype, h=1)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    o_r, s_r = naive_chunk_kda(q, k, v, g, beta, **kw)
+    assert_rel_close("o", o, o_r, TOL[dtype])
+    assert_rel_close("final_state", s, s_r, TOL[dtype])
+
+
+def test_no_l2norm_custom_scale_no_state():
+    q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
+    k = torch.nn.functional.normalize(k, dim=-1)  # an unnormalised key makes the delta rule blow up
+    o, s = chunk_kda(q, k, v, g, beta, scale=0.37, chunk_size=16)
+    assert s is None
+    assert_rel_close("o", o, naive_recurrent_kda(q, k, v, g, beta, scale=0.37)[0], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_varlen_equals_per_sequence(dtype):
+    q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=7, dtype=dtype, n_states=len(LENS))
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
+    for n, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e == b:  # an empty sequence passes its state through
+            assert torch.equal(s[n], s0[n])
+            continue
+        seq = (t[:, b:e] for t in (q, k, v, g, beta))
+        o_n, s_n = chunk_kda(*seq, initial_state=s0[n : n + 1], **kw)
+        assert_rel_close(f"o[{n}]", o[:, b:e], o_n, 1e-6)
+        assert_rel_close(f"state[{n}]", s[n : n + 1], s_n, 1e-6)
+    o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert_rel_close("o vs recurrent", o, o_r, TOL[dtype])
+    assert_rel_close("state vs recurrent", s, s_r, TOL[dtype])
+
+
+@pytest.mark.parametrize("output_final_state", [True, False])
+def test_state_pool_in_place(output_final_state):
+    q, k, v, g, beta, _, _, _ = make_inputs(1, sum(LENS), seed=9)
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pool = torch.randn(7, H, K, V, device=DEVICE) * 0.3
+    slots = torch.tensor([5, 0, 3, 6], device=DEVICE)
+    before = pool.clone()
+    kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    o, ret = chunk_kda(q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=output_final_state,
+                       chunk_size=16, **kw)  # fmt: skip
+    o_r, s_r = naive_chunk_kda(q, k, v, g, beta, initial_state=before[slots], output_final_state=True, **kw)
+    assert_rel_close("o", o, o_r, 1e-5)
+    others = [i for i in range(7) if i not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+    if output_final_state:
+        assert ret is pool
+        assert_rel_close("pool slots", pool[slots], s_r, 1e-5)
+    else:
+        assert ret is None and torch.equal(pool, before)
+
+
+@pytest.mark.parametrize(
+    "lower_bound, chunk_size", [(None, 16), (None, 64), (-5.0, 64), (-20.0, 16)], ids=["16", "64", "lb5-64", "lb20-16"]
+)
+def test_gate_in_kernel(lower_bound, chunk_size):
+    """Raw pre-activation in, log-decay computed in the kernel (lb=-20 sends most diagonal blocks to the exact loop)."""
+    q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 40, seed=13, h=1, raw_gate=True)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size,
+                     **kw)  # fmt: skip
+    o_r, s_r = naive_recurrent_kda(q, k, v, kda_gate(f, A_log, dt_bias, lower_bound), beta, **kw)
+    assert_rel_close("o", o, o_r, 1e-5)
+    assert_rel_close("final_state", s, s_r, 1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_strong_gates_stay_finite(chunk_size):
+    """Log-decays down to -80 per token on half the channels of tokens 16..31: that 16-row block takes the exact
+    pairwise loop (its cumulative decays fall far below exp(-88)), the others the factored dot, in one chunk."""
+    q, k, v, _, beta, s0, _, _ = make_inputs(1, 40, seed=17, h=1)
+    gen = torch.Generator().manual_seed(0)
+    g = -torch.rand(1, 40, 1, K, generator=gen) * 0.05
+    g[:, 16:32, :, 1::2] = -torch.rand(1, 16, 1, K // 2, generator=gen) * 80.0
+    g = g.to(DEVICE)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    # Decays are differences of in-chunk cumulative sums, which lose ulp(|G|) ~ 1e-4 of the exponent once |G| is
+    # ~1000, as here after the strong block (the reference sums only the gates in between).
+    tol = 1e-5 if chunk_size == 16 else 1e-4
+    assert_rel_close("o", o, o_r, tol)
+    assert_rel_close("final_state", s, s_r, tol)
+
+
+def test_bad_arguments_raise():
+    q, k, v, g, beta, s0, A_log, dt_bias = make_inputs(1, 4, seed=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=48)
+    with pytest.raises(ValueError, match="together"):
+        chunk_kda(q, k, v, g, beta, A_log=A_log)
+    with pytest.raises(ValueError, match="lower_bound"):
+        chunk_kda(q, k, v, g, beta, lower_bound=-5.0)
+    with pytest.raises(ValueError, match="state_indices needs initial_state"):
+        chunk_kda(q, k, v, g, beta, state_indices=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="fp32"):
+        chunk_kda(q, k, v, g, beta, initial_state=s0.half(), state_indices=torch.zeros(1, device=DEVICE).int())
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+
+
+def test_bench_smoke(tmp_path):
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kda_prefill.py"
+    spec = importlib.util.spec_from_file_location("bench_kda_prefill", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--smoke", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "kda_prefill.jsonl").read_text().splitlines()]
+    assert rows and {"gpu", "date", "commit", "T", "H", "backend", "ms", "tflops"} <= rows[0].keys()
+    assert {r["backend"] for r in rows} >= {"triton", "triton_gate"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: bf16 at Kimi-Linear shapes against the fp32 torch reference, and against fla when it is installed
+
+
+def _real_inputs(T, seed, lower_bound=None, n_states=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    Hr, D = 32, 128
+    q, k, v, f = rnd(1, T, Hr, D), rnd(1, T, Hr, D), rnd(1, T, Hr, D), rnd(1, T, Hr, D)
+    A_log, dt_bias = rnd(Hr) * 0.5, rnd(Hr * D) * 0.5 - 1.0
+    beta = torch.sigmoid(rnd(1, T, Hr))
+    s0 = rnd(n_states, Hr, D, D) * 0.1
+    bf = [t.bfloat16() for t in (q, k, v, f, beta)]
+    return bf, A_log, dt_bias, s0, kda_gate(bf[3], A_log, dt_bias, lower_bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_in_kernel, lower_bound", [(False, None), (True, None), (True, -5.0)])
+def test_gpu_bf16_real_shapes(gate_in_kernel, lower_bound):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    (q, k, v, f, beta), A_log, dt_bias, s0, g = _real_inputs(2048, seed=1, lower_bound=lower_bound)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if gate_in_kernel:
+        o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
+    else:
+        o, s = chunk_kda(q, k, v, g, beta, **kw)
+    o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
+    assert o.dtype == torch.bfloat16
+    assert_rel_close("o", o, o_r, TOL[torch.bfloat16])
+    assert_rel_close("final_state", s, s_r, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_varlen_pool():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lens = [1000, 1, 64, 0, 983]
+    (q, k, v, _, beta), _, _, pool, g = _real_inputs(sum(lens), seed=2, n_states=8)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([6, 1, 4, 0, 2], device="cuda")
+    before = pool.clone()
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
+    o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=before[slots],
+                               output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
+    assert_rel_close("o", o, o_r, TOL[torch.bfloat16])
+    assert_rel_close("pool slots", pool[slots], s_r, TOL[torch.bfloat16])
+    assert torch.equal(pool[[3, 5, 7]], before[[3, 5, 7]])
+
+
+@pytest.mark.gpu
+def test_gpu_parity_with_fla():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    (q, k, v, _, beta), _, _, s0, g = _real_inputs(2048, seed=3)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, **kw)
+    o_f, s_f = fla_kda.chunk_kda(q, k, v, g, beta, **kw)
+    assert_rel_close("o vs fla", o, o_f, TOL[torch.bfloat16])
+    assert_rel_close("final_state vs fla", s, s_f.float(), TOL[torch.bfloat16])

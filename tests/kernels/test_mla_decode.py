@@ -1,0 +1,254 @@
+"""MLA decode/verify over the paged latent cache: the torch reference against a dense softmax, and the Triton kernel
+against the reference (fp32, fp16, fp8 caches, per-token bounds, split-KV, poisoned outputs, input validation)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimi_helix.kernels.mla import decode  # noqa: E402
+from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
+from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KV_LORA, ROPE = 32, 16
+FP8 = torch.float8_e4m3fn
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def assert_rel_close(name, actual, expected, tol):
+    """||actual - expected|| / ||expected|| < tol in fp64; every element of actual must be finite, except that an
+    lse may be -inf exactly where the expected one is (a query that sees no key)."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, b = actual.double().cpu(), expected.double().cpu()
+    no_keys = b == float("-inf")
+    assert (a[no_keys] == float("-inf")).all(), f"{name}: -inf expected where no key is visible"
+    a, b = a[~no_keys], b[~no_keys]
+    assert torch.isfinite(a).all(), f"{name}: non-finite values"
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def make_case(lens, s_q, H, *, page_size=16, kv_lora=KV_LORA, rope=ROPE, dtype=torch.float32, kv_dtype=None, seed=0):
+    """Random queries and per-sequence dense latents, scattered into shuffled pages of a NaN-poisoned paged cache.
+
+    Returns (args for the kernels as a dict, dense latents per sequence in fp32 after any fp8 round trip).
+    Unused page slots, spare pages and block-table padding (pointing at a spare page) are NaN, so any read past a
+    sequence's length shows up as a non-finite output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    D, N = kv_lora + rope, len(lens)
+    counts = [-(-n // page_size) for n in lens]
+    num_pages = sum(counts) + 2
+    perm = torch.randperm(num_pages, generator=gen)
+    spare = perm[-1].item()
+    max_pages = max(counts) + 1
+    block_table = torch.full((N, max_pages), spare, dtype=torch.int32)
+    cache = torch.full((num_pages, page_size, D), float("nan"))
+    scales = torch.full((num_pages, page_size), float("nan"))
+    dense, used = [], 0
+    for i, n in enumerate(lens):
+        pages = perm[used : used + counts[i]]
+        used += counts[i]
+        block_table[i, : counts[i]] = pages.int()
+        lat = torch.randn(n, D, generator=gen)
+        pos = torch.arange(n)
+        if kv_dtype == FP8:
+            s = lat.abs().amax(-1) / 448  # the engine's per-token scale: the largest value maps to e4m3's max
+            lat = (lat / s[:, None]).to(FP8)
+            scales[pages[pos // page_size], pos % page_size] = s
+            dense.append(lat.float() * s[:, None])
+        else:
+            lat = lat.to(kv_dtype)
+            dense.append(lat.float())
+        cache[pages[pos // page_size], pos % page_size] = lat.float()
+    cu = torch.tensor([0, *torch.tensor(s_q).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), H, D, generator=gen).to(dtype)
+    args = dict(
+        q=q,
+        kv_cache=cache.to(kv_dtype),
+        block_table=block_table,
+        cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+        cu_seqlens_q=cu,
+        scale=(kv_lora + rope) ** -0.5 * 1.3,  # deliberately not D ** -0.5
+        kv_lora_rank=kv_lora,
+        kv_scale=scales if kv_dtype == FP8 else None,
+    )
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, dense
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Every float tensor the kernel wrapper allocates starts as NaN, so an unwritten output element fails."""
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(decode.torch, "empty", nan_empty)
+
+
+def dense_attention(args, dense, kv_bounds=None):
+    """Direct fp64 softmax attention per (sequence, query, head) on the dense latents: independent of the pages."""
+    q, cu, lens = args["q"].cpu().double(), args["cu_seqlens_q"].tolist(), args["cache_seqlens"].tolist()
+    outs, lses = [], []
+    for i, L in enumerate(lens):
+        kv = dense[i].double()
+        s_q = cu[i + 1] - cu[i]
+        for j in range(s_q):
+            t = cu[i] + j
+            n = L - s_q + j + 1 if kv_bounds is None else min(int(kv_bounds[t]), L)
+            scores = q[t] @ kv[:n].T * args["scale"]  # [H, n]
+            outs.append(torch.softmax(scores, -1) @ kv[:n, : args["kv_lora_rank"]])
+            lses.append(torch.logsumexp(scores, -1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("s_q", [[1, 1, 1], [2, 3, 1], [4, 4, 4]])
+def test_reference_matches_dense_softmax(s_q):
+    args, dense = make_case([37, 5, 70], s_q, H=3, seed=len(s_q) + s_q[0])
+    out, lse = mla_decode_ref(**args)
+    want_out, want_lse = dense_attention(args, dense)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_rel_close("out", out, want_out, 1e-6)
+    assert_rel_close("lse", lse, want_lse, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("H", "s_q"), [(1, 1), (3, 2), (16, 1), (16, 2), (16, 4)])
+def test_triton_matches_reference(poison_empty, dtype, H, s_q):
+    lens = [1, 40, 17, 64 + s_q]  # 1 token; not a page multiple; exactly 4 pages + s_q
+    args, _ = make_case(lens, [s_q] * len(lens), H, dtype=dtype, seed=H * 10 + s_q)
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert out.dtype == dtype and out.shape == (len(lens) * s_q, H, KV_LORA) and lse.dtype == torch.float32
+    assert_rel_close("out", out, want_out.float(), TOL[dtype])
+    assert_rel_close("lse", lse, want_lse, 1e-5)
+
+
+def test_ragged_queries_page_sizes_and_mixed_dtypes(poison_empty):
+    # s_q differs per sequence (one has no queries at all); 128-token pages hold several BLOCK_N tiles each.
+    args, dense = make_case([9, 300, 3, 130], [3, 1, 0, 2], H=5, page_size=128, dtype=torch.float16, seed=7)
+    args["kv_cache"] = args["kv_cache"].float()  # an fp32 cache under fp16 queries computes in fp32
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = dense_attention(args, dense)
+    assert_rel_close("out", out, want_out, TOL[torch.float16])
+    assert_rel_close("lse", lse, want_lse, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache(poison_empty, dtype):
+    args, dense = make_case([23, 1, 50], [2, 2, 2], H=4, kv_dtype=FP8, dtype=dtype, seed=3)
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out, want_out.float(), TOL[dtype])
+    assert_rel_close("lse", lse, want_lse, 1e-5)
+    assert_rel_close("ref vs dense", want_out.float(), dense_attention(args, dense)[0], TOL[dtype])
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_kv_bounds_with_empty_queries(poison_empty, splits):
+    lens = [20, 45]
+    args, dense = make_case(lens, [3, 3], H=3, seed=11)
+    bounds = torch.tensor([0, 7, 20, 0, 45, 60], dtype=torch.int32)  # 60 > 45: clamped to the sequence length
+    args["kv_bounds"] = bounds.to(DEVICE)
+    out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+    want_out, want_lse = mla_decode_ref(**args)
+    empty = (bounds == 0).to(DEVICE)
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+    assert torch.isfinite(out).all() and not lse.isnan().any()
+    assert_rel_close("out", out[~empty], want_out[~empty], 1e-5)
+    assert_rel_close("lse", lse[~empty], want_lse[~empty], 1e-5)
+    assert_rel_close(
+        "ref vs dense", want_out[~empty].cpu(), dense_attention(args, dense, bounds)[0][~empty.cpu()], 1e-6
+    )
+
+
+def test_split_kv_matches_unsplit(poison_empty):
+    # 5 splits of a 1-token sequence leave four splits empty (lse -inf, weight 0) in the merge.
+    args, _ = make_case([1, 33, 150], [2, 2, 2], H=16, seed=5)
+    base_out, base_lse = mla_decode_triton(**args, num_kv_splits=1)
+    for splits in (2, 5):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close(f"out splits={splits}", out, base_out, 1e-6)
+        assert_rel_close(f"lse splits={splits}", lse, base_lse, 1e-6)
+
+
+def test_num_kv_splits_heuristic():
+    assert decode._num_kv_splits(256, 8192, 64, 132) == 1  # more programs than SMs: no split
+    assert decode._num_kv_splits(32, 8192, 64, 132) == 4  # 128 programs: one near-full wave
+    assert decode._num_kv_splits(1, 128, 64, 132) == 1  # too short to split
+    assert 32 <= decode._num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
+
+
+def test_rejects_unsupported_inputs():
+    args, _ = make_case([5], [1], H=2, seed=1)
+    bad = {
+        "kv_lora_rank": dict(kv_lora_rank=24),  # 24 not a power of two, and rope 24 neither
+        "rope_dim": dict(kv_lora_rank=KV_LORA, q=args["q"][..., :40], kv_cache=args["kv_cache"][..., :40].contiguous()),
+        "block_table": dict(block_table=args["block_table"].long()),
+        "cache_seqlens": dict(cache_seqlens=args["cache_seqlens"][:0]),
+        "kv_scale": dict(kv_cache=args["kv_cache"].to(FP8)),
+        "kv_bounds": dict(kv_bounds=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+        "num_kv_splits": dict(num_kv_splits=0),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=name):
+            mla_decode_triton(**{**args, **change})
+
+
+def test_bench_smoke(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    try:
+        import bench_mla
+    finally:
+        sys.path.pop(0)
+    bench_mla.main(["--smoke", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "mla_decode.jsonl").read_text().splitlines()]
+    assert rows and all(r.get("error") is None for r in rows), rows
+    assert {"gpu", "date", "commit", "b", "h", "s_q", "s_k", "kv_dtype", "backend", "ms", "tbps", "tflops"} <= set(
+        rows[0]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_real_shape_fp32_fp16_fit(poison_empty, dtype):
+    """fp32 and fp16 at the real latent width: their tiles must fit the GPU's shared memory too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args, _ = make_case([700, 1, 257], [2, 2, 2], 128, page_size=64, kv_lora=512, rope=64, dtype=dtype, seed=2)
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out, want_out.float(), TOL[dtype])
+    assert_rel_close("lse", lse, want_lse, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
+@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (16, 4), (96, 1), (96, 4), (128, 1), (128, 4)])
+def test_gpu_bf16_real_shape(poison_empty, kv, H, s_q):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(H + s_q)
+    lens = (torch.randint(3000, 5000, (6,), generator=gen)).tolist() + [1, s_q]
+    args, _ = make_case(lens, [s_q] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=kv, seed=H * s_q)  # fmt: skip
+    args["scale"] = 192**-0.5
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close("lse", lse, want_lse, 1e-3)
+    split_out, split_lse = mla_decode_triton(**args, num_kv_splits=7)
+    assert_rel_close("split out", split_out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close("split lse", split_lse, want_lse, 1e-3)
