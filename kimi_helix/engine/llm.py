@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels.backends import build_registry
 from ..modeling.batch import ForwardBatch
 from ..modeling.model import KimiK3ForCausalLM
 from .cache import PagedCache, PageLedger
@@ -82,9 +83,10 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         tokenizer=None,
     ):
-        if attention_backend not in (None, "torch"):
+        if attention_backend is not None and attention_backend not in build_registry():
             raise ValueError(
-                f"attention_backend must be None or 'torch' (no other backend exists yet), got {attention_backend!r}"
+                f"attention_backend must be None (automatic) or one of {sorted(build_registry())}, "
+                f"got {attention_backend!r}"
             )
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -119,14 +121,29 @@ class LLM:
         self._next_id = 0
 
     def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
+        """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in
+        `utilization` of the free memory after the KDA state pool (weights are already resident)."""
         per_seq = -(-self.max_model_len // page_size)
+        wanted = per_seq * max_num_seqs if self.device.type == "cuda" else per_seq * min(max_num_seqs, 8)
         if self.device.type != "cuda":
-            return per_seq * min(max_num_seqs, 8)
-        from ..modeling.accounting import mla_cache_bytes_per_token
+            return wanted
+        from ..modeling.accounting import kda_state_bytes_per_sequence, mla_cache_bytes_per_token
 
+        config, itemsize = self.model.config, self.model.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
-        token_bytes = mla_cache_bytes_per_token(self.model.config, 1 if kv_cache_dtype == "fp8_e4m3" else 2)
-        return max(per_seq, int(free * utilization) // max(1, token_bytes * page_size))
+        # fp8 pages store one byte per value plus a per-token fp32 scale per MLA layer.
+        token_bytes = mla_cache_bytes_per_token(config, 1 if kv_cache_dtype == "fp8_e4m3" else itemsize)
+        if kv_cache_dtype == "fp8_e4m3":
+            token_bytes += 4 * config.layer_types.count("full_attention")
+        state_bytes = kda_state_bytes_per_sequence(config, itemsize) * max_num_seqs
+        budget = int(free * utilization) - state_bytes
+        fits = budget // max(1, token_bytes * page_size)
+        if fits < per_seq:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} of {free / 2**30:.1f} GiB free leaves room for {max(fits, 0)} "
+                f"cache pages of {page_size} tokens; one max_model_len={self.max_model_len} sequence needs {per_seq}"
+            )
+        return min(wanted, fits)
 
     # ---------------------------------------------------------------- public API
     def generate(
