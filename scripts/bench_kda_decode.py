@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
-import statistics
-import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +26,8 @@ import torch
 if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
+from bench_common import JsonlWriter, bench_ms, copy_tbps, run_metadata  # noqa: E402
 
 from kimi_helix.kernels.kda import fused_recurrent as fr  # noqa: E402
 
@@ -48,28 +45,6 @@ def forced_config(config: tuple[int, int] | None):
         yield
     finally:
         fr._config = chosen
-
-
-def bench(fn, device: torch.device) -> float:
-    """Median milliseconds of fn(): do_bench's CUDA events on the GPU, wall clock (few reps) on the CPU."""
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def copy_tbps(device: torch.device, smoke: bool) -> float:
-    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
-    n_bytes = 1 << 20 if smoke else 1 << 31
-    src = torch.randn(n_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), device)
-    return 2 * n_bytes / ms / 1e9
 
 
 def run_case(n: int, h: int, d: int, t: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -91,21 +66,13 @@ def run_case(n: int, h: int, d: int, t: int, dtype: torch.dtype, device: torch.d
             use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
         )  # fmt: skip
 
-    ms = bench(step, device)
+    ms = bench_ms(step, device)
     state_bytes = 2 * n * h * d * d * 4
     bv, num_warps = fr._config(n, h, d)
     return dict(
         n=n, h=h, k=d, v=d, t=t, dtype=str(dtype).removeprefix("torch."), bv=bv, num_warps=num_warps,
         ms=ms, tbps=state_bytes / ms / 1e9,
     )  # fmt: skip
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -121,31 +88,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases = [(1, 2, 16, 1), (3, 2, 16, 2)]
     else:
         cases = [(n, 32, 128, t) for t in map(int, args.tokens.split(",")) for n in map(int, args.ns.split(","))]
-    copy = copy_tbps(device, args.smoke)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=_commit(),
-    )
-    rows = []
+    copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
+    meta = run_metadata()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    for config in [None, *SWEEP] if args.sweep else [None]:
-        for n, h, d, t in cases:
-            with forced_config(config):
-                row = {**meta, **run_case(n, h, d, t, dtype, device), "config": "auto" if config is None else "forced"}
-            row.update(copy_tbps=copy, floor_ms=2 * n * h * d * d * 4 / copy / 1e9)
-            row["pct_of_copy"] = 100 * row["tbps"] / copy
-            rows.append(row)
-            print(
-                f"N={n:4d} H={h} K=V={d} T={t} BV={row['bv']:3d} warps={row['num_warps']} ({row['config']}): "
-                f"{row['ms'] * 1e3:9.1f} us  {row['tbps']:.2f} TB/s state ({row['pct_of_copy']:.0f}% of copy "
-                f"{copy:.2f} TB/s, floor {row['floor_ms'] * 1e3:.1f} us)"
-            )
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "kda_decode.jsonl", "a") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    return rows
+    with JsonlWriter(args.out / "kda_decode.jsonl") as out:
+        for config in [None, *SWEEP] if args.sweep else [None]:
+            for n, h, d, t in cases:
+                with forced_config(config):
+                    row = {**meta, **run_case(n, h, d, t, dtype, device)}
+                row["config"] = "auto" if config is None else "forced"
+                row.update(copy_tbps=copy, floor_ms=2 * n * h * d * d * 4 / copy / 1e9)
+                row["pct_of_copy"] = 100 * row["tbps"] / copy
+                out.write(row)
+                print(
+                    f"N={n:4d} H={h} K=V={d} T={t} BV={row['bv']:3d} warps={row['num_warps']} ({row['config']}): "
+                    f"{row['ms'] * 1e3:9.1f} us  {row['tbps']:.2f} TB/s state ({row['pct_of_copy']:.0f}% of copy "
+                    f"{copy:.2f} TB/s, floor {row['floor_ms'] * 1e3:.1f} us)"
+                )
+    return out.records
 
 
 if __name__ == "__main__":

@@ -15,12 +15,8 @@ One JSON object per case and backend goes to <out>/kda_prefill.jsonl.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
-import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -28,25 +24,13 @@ import torch
 if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
+from bench_common import JsonlWriter, bench_ms, run_metadata  # noqa: E402
 
 from kimi_helix.kernels.kda.chunk import chunk_kda  # noqa: E402
 from kimi_helix.kernels.kda.naive import kda_gate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def bench(fn, device: torch.device) -> float:
-    """Median milliseconds of fn(): do_bench's CUDA events on the GPU, wall clock (few reps) on the CPU."""
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def flops(T: int, H: int, K: int, V: int, C: int = 64) -> float:
@@ -61,7 +45,8 @@ def _fla_chunk_kda():
     return fla_chunk_kda
 
 
-def run_case(T: int, H: int, D: int, dtype: torch.dtype, device: torch.device, chunk_size: int) -> list[dict]:
+def run_case(T: int, H: int, D: int, dtype: torch.dtype, device: torch.device, chunk_size: int):
+    """Yields one row per backend, each as soon as it is timed."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape, dt=dtype):
@@ -81,20 +66,11 @@ def run_case(T: int, H: int, D: int, dtype: torch.dtype, device: torch.device, c
     fla_chunk_kda = _fla_chunk_kda()
     if fla_chunk_kda is not None and device.type == "cuda":
         backends["fla"] = lambda: fla_chunk_kda(q, k, v, g, beta, **common)
-    rows = []
     for name, fn in backends.items():
-        ms = bench(fn, device)
-        rows.append(dict(T=T, H=H, K=D, V=D, dtype=str(dtype).removeprefix("torch."), backend=name, ms=ms))
-        rows[-1]["tflops"] = flops(T, H, D, D) / ms / 1e9
-    return rows
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+        ms = bench_ms(fn, device, cpu_reps=2)
+        row = dict(T=T, H=H, K=D, V=D, dtype=str(dtype).removeprefix("torch."), backend=name, ms=ms)
+        row["tflops"] = flops(T, H, D, D) / ms / 1e9
+        yield row
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -110,21 +86,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         cases = [(t, h) for t in map(int, args.T.split(",")) for h in map(int, args.H.split(","))]
         dtype, D, chunk_size = torch.bfloat16, 128, 64
-    meta = dict(
-        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=_commit(),
-    )
-    rows = []
-    for T, H in cases:
-        for row in run_case(T, H, D, dtype, device, chunk_size):
-            rows.append({**meta, **row})
-            print(f"T={T:6d} H={H:3d} K=V={D} {row['backend']:12s} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s")
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "kda_prefill.jsonl", "a") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    return rows
+    meta = run_metadata()
+    with JsonlWriter(args.out / "kda_prefill.jsonl") as out:
+        for T, H in cases:
+            for row in run_case(T, H, D, dtype, device, chunk_size):
+                row = {**meta, **row}
+                out.write(row)
+                print(
+                    f"T={T:6d} H={H:3d} K=V={D} {row['backend']:12s} {row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s"
+                )
+    return out.records
 
 
 if __name__ == "__main__":

@@ -14,14 +14,9 @@ device-to-device copy, read + write, and a bf16 8192^3 matmul). One JSON object 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +24,8 @@ import torch
 if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
+from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, run_metadata  # noqa: E402
 
 from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
 from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
@@ -50,31 +46,6 @@ TARGETS = [
 ]
 REF_CASES = [(1, 16, 1, 4096, "bf16"), (1, 128, 4, 4096, "bf16")]  # the torch reference is slow: small ones only
 SMOKE = dict(b=[2], h=[1, 16], s_q=[1, 2], s_k=[40], kv=["fp16", "fp8"])
-
-
-def bench(fn, device) -> float:
-    """Median milliseconds of fn(): do_bench's CUDA events on the GPU, wall clock (few reps) on the CPU."""
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def roofline(device, smoke: bool) -> tuple[float, float]:
-    """(copy TB/s counting read + write, bf16 matmul TFLOP/s) measured now on this device."""
-    n_bytes, n = (1 << 20, 128) if smoke else (1 << 31, 8192)
-    src = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = bench(lambda: dst.copy_(src), device)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    mm_ms = bench(lambda: a @ b, device)
-    return 2 * n_bytes / copy_ms / 1e9, 2 * n**3 / mm_ms / 1e9
 
 
 class Cache:
@@ -122,19 +93,10 @@ def run_case(cache, b, h, s_q, backend, device, q_dtype):
     def call():
         return fn(q, cache.kv, next(tables), cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
 
-    ms = bench(call, device)
+    ms = bench_ms(call, device)
     io_bytes = cache.kv_bytes + q.numel() * q.element_size() + T * h * (KV_LORA * q.element_size() + 4)
     flops = 2 * s_q * cache.total_keys * h * (2 * KV_LORA + ROPE)
     return ms, io_bytes / ms / 1e9, flops / ms / 1e9
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> list[dict]:
@@ -159,19 +121,12 @@ def main(argv=None) -> list[dict]:
     if not args.quick:
         runs += [(c, "torch") for c in (cases[:2] if args.smoke else REF_CASES)]
 
-    copy_tbps, matmul_tflops = roofline(device, args.smoke)
-    base = dict(
-        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit(),
-        copy_tbps=round(copy_tbps, 3),
-        matmul_tflops=round(matmul_tflops, 1),
-    )
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records, cache, cache_key = [], None, None
+    copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
+    matmul = matmul_tflops(device, n=128 if args.smoke else 8192)
+    base = dict(run_metadata(), copy_tbps=round(copy, 3), matmul_tflops=round(matmul, 1))
+    cache, cache_key = None, None
     # Appended case by case: a killed run keeps what it measured.
-    with open(out_dir / "mla_decode.jsonl", "a") as results:
+    with JsonlWriter(Path(args.out) / "mla_decode.jsonl", echo=sys.stderr) as results:
         # Grouped by cache shape so each large cache is built once.
         for (b, h, s_q, s_k, kv), backend in sorted(runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1])):
             rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, ms=None, tbps=None, tflops=None)
@@ -185,12 +140,10 @@ def main(argv=None) -> list[dict]:
                 rec.update(ms=round(ms, 4), tbps=round(tbps, 3), tflops=round(tflops, 1), error=None)
             except Exception as err:  # a failing case is recorded, the rest still run
                 rec["error"] = f"{type(err).__name__}: {err}"[:500]
-            records.append(rec)
-            results.write(json.dumps(rec) + "\n")
-            results.flush()
-            print(json.dumps(rec), file=sys.stderr, flush=True)
+            results.write(rec)
 
-    print(f"\n{base['gpu']}: copy {copy_tbps:.2f} TB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s\n")
+    records = results.records
+    print(f"\n{base['gpu']}: copy {copy:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s\n")
     print("| backend | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in records:

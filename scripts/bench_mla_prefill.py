@@ -16,13 +16,13 @@ interpreter, checks it against the reference and writes nothing unless --out is 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
+from bench_common import JsonlWriter, run_metadata  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "mla_prefill.jsonl"
@@ -43,15 +43,6 @@ def causal_flops(pairs, heads: int, dqk: int, dv: int) -> int:
     """Flops of the visible (query, key) pairs only: sum_j (prefix + j + 1) pairs per sequence and head."""
     pairs_seen = sum(tq * (tk - tq) + tq * (tq + 1) // 2 for tq, tk in pairs)
     return 2 * heads * pairs_seen * (dqk + dv)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def make_inputs(pairs, heads, dqk, dv, dtype, device):
@@ -101,7 +92,8 @@ def sweep_configs(dtype_bytes: int, dqk: int, dv: int):
 
 
 def run_case(name, pairs, heads, dqk, dv, dtype_name, device, reps, check, configs):
-    """One record per tile config (configs None: the kernel's own choice, timed end to end as well)."""
+    """Yields one record per tile config as soon as it is measured (configs None: the kernel's own choice, timed end
+    to end as well)."""
     import torch
 
     from kimi_helix.kernels.mla import prefill
@@ -122,31 +114,33 @@ def run_case(name, pairs, heads, dqk, dv, dtype_name, device, reps, check, confi
         "dtype": dtype_name,
     }
     flops = causal_flops(pairs, heads, dqk, dv)
-    records = []
-    for config in configs or [prefill._config(dtype, dqk, dv)]:
 
-        def launch(config=config):
+    def measure(config):
+        def launch():
             return prefill._launch(q, k, v, cu_q, cu_k, scale, splits, config)
 
         kernel_ms = gpu_ms(launch) if device == "cuda" else time_ms(launch, device, reps)
-        record = {**base, "config": list(config), "kernel_ms": round(kernel_ms, 4)}
-        record["tflops"] = round(flops / (kernel_ms * 1e-3) / 1e12, 2)
-        records.append(record)
-    if configs is None:
-        rec = records[0]
-        # The public call adds validation (one device sync) and the Python around the launch.
-        rec["ms"] = round(time_ms(lambda: prefill.mla_prefill_triton(q, k, v, cu_q, cu_k, scale), device, reps), 4)
-        if device == "cuda" and len(pairs) == 1 and pairs[0][0] == pairs[0][1]:
-            qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
-            sdpa = torch.nn.functional.scaled_dot_product_attention
-            rec["sdpa_ms"] = round(gpu_ms(lambda: sdpa(qs, ks, vs, is_causal=True, scale=scale)), 4)
-        # The reference materialises [H, Tq_i, Tk_i] fp32 scores: skip it where that would not fit.
-        if check and max(tq * tk for tq, tk in pairs) * heads * 4 < 16e9:
-            out, lse = prefill.mla_prefill_triton(q, k, v, cu_q, cu_k, scale)
-            ref_out, ref_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, scale)
-            rec["rel_err"] = ((out.double() - ref_out.double()).norm() / ref_out.double().norm()).item()
-            rec["lse_rel_err"] = ((lse.double() - ref_lse.double()).norm() / ref_lse.double().norm()).item()
-    return records
+        rec = {**base, "config": list(config), "kernel_ms": round(kernel_ms, 4)}
+        rec["tflops"] = round(flops / (kernel_ms * 1e-3) / 1e12, 2)
+        return rec
+
+    if configs is not None:
+        yield from map(measure, configs)
+        return
+    rec = measure(prefill._config(dtype, dqk, dv))
+    # The public call adds validation (one device sync) and the Python around the launch.
+    rec["ms"] = round(time_ms(lambda: prefill.mla_prefill_triton(q, k, v, cu_q, cu_k, scale), device, reps), 4)
+    if device == "cuda" and len(pairs) == 1 and pairs[0][0] == pairs[0][1]:
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        rec["sdpa_ms"] = round(gpu_ms(lambda: sdpa(qs, ks, vs, is_causal=True, scale=scale)), 4)
+    # The reference materialises [H, Tq_i, Tk_i] fp32 scores: skip it where that would not fit.
+    if check and max(tq * tk for tq, tk in pairs) * heads * 4 < 16e9:
+        out, lse = prefill.mla_prefill_triton(q, k, v, cu_q, cu_k, scale)
+        ref_out, ref_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, scale)
+        rec["rel_err"] = ((out.double() - ref_out.double()).norm() / ref_out.double().norm()).item()
+        rec["lse_rel_err"] = ((lse.double() - ref_lse.double()).norm() / ref_lse.double().norm()).item()
+    yield rec
 
 
 def main(argv=None) -> int:
@@ -158,7 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--check", action="store_true", help="also report the error against the torch reference")
     parser.add_argument("--sweep", action="store_true", help="time every tile config that fits (kernel only)")
-    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, where .git exists)")
+    parser.add_argument(
+        "--commit", default=None, help="commit to record (default: $KIMI_HELIX_COMMIT, else git rev-parse HEAD)"
+    )
     parser.add_argument("--out", type=Path, default=None, help=f"JSONL to append to (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -173,26 +169,17 @@ def main(argv=None) -> int:
             parser.error("no CUDA device: use --smoke on the CPU")
         device, heads, dtype, reps, check = "cuda", args.heads, args.dtype, args.reps, args.check
         cases, out = {name: CASES[name] for name in args.cases}, args.out or DEFAULT_OUT
-    meta = {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (triton interpreter)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": args.commit or git_commit(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
-    records = []
-    for h in heads:
-        for name, pairs in cases.items():
-            dims = (48, 16) if args.smoke else (192, 128)
-            configs = list(sweep_configs(2 if dtype != "fp32" else 4, *dims)) if args.sweep else None
-            for record in run_case(name, pairs, h, *dims, dtype, device, reps, check, configs):
-                record = {**meta, **record}
-                print(json.dumps(record), flush=True)
-                records.append(record)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
+    meta = {**run_metadata(), "torch": torch.__version__, "triton": triton.__version__}
+    if args.commit:
+        meta["commit"] = args.commit
+    # Appended case by case: a killed run keeps what it measured.
+    with JsonlWriter(out, echo=sys.stdout) as results:
+        for h in heads:
+            for name, pairs in cases.items():
+                dims = (48, 16) if args.smoke else (192, 128)
+                configs = list(sweep_configs(2 if dtype != "fp32" else 4, *dims)) if args.sweep else None
+                for record in run_case(name, pairs, h, *dims, dtype, device, reps, check, configs):
+                    results.write({**meta, **record})
     return 0
 
 

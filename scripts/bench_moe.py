@@ -16,14 +16,10 @@ per (tokens, backend) goes to <out>/moe.jsonl; a failing case is recorded with i
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +27,8 @@ import torch
 if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
+from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, run_metadata  # noqa: E402
 
 from kimi_helix.kernels.moe import fused_experts_ref  # noqa: E402
 from kimi_helix.kernels.moe.triton import MoeConfig, fused_experts_triton  # noqa: E402
@@ -54,42 +51,6 @@ SWEEP = [
     MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4, sort_pairs=False),
     MoeConfig(16, 16, 256, 32, 256, num_warps=4, num_stages=3, sort_pairs=False),
 ]
-
-
-def bench(fn, device, graph: bool = False) -> float:
-    """Milliseconds of fn(): CUDA-graph replay (mean) or do_bench (median) on the GPU, wall clock on the CPU."""
-    if device.type == "cuda":
-        if graph:
-            return triton.testing.do_bench_cudagraph(fn, rep=100)
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def roofline(device, smoke: bool) -> tuple[float, float]:
-    """(copy TB/s counting read + write, bf16 matmul TFLOP/s) measured now on this device."""
-    n_bytes, n = (1 << 20, 128) if smoke else (1 << 31, 8192)
-    src = torch.randn(n_bytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = bench(lambda: dst.copy_(src), device)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    mm_ms = bench(lambda: a @ b, device)
-    return 2 * n_bytes / copy_ms / 1e9, 2 * n**3 / mm_ms / 1e9
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def config_name(cfg: MoeConfig) -> str:
@@ -125,24 +86,20 @@ def main(argv=None) -> list[dict]:
     down = (torch.randn(E, d, inter, generator=gen) * inter**-0.5).to(device, dtype)
     expert_bytes = 3 * d * inter * gate_up.element_size()
 
-    copy_tbps, matmul_tflops = roofline(device, args.smoke)
+    copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
+    matmul = matmul_tflops(device, n=128 if args.smoke else 8192)
     base = dict(
-        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit(),
+        run_metadata(),
         experts=E,
         top_k=k,
         d=d,
         inter=inter,
         dtype=str(dtype).removeprefix("torch."),
-        copy_tbps=round(copy_tbps, 3),
-        matmul_tflops=round(matmul_tflops, 1),
+        copy_tbps=round(copy, 3),
+        matmul_tflops=round(matmul, 1),
     )
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records = []
     # Appended case by case: a killed run keeps what it measured.
-    with open(out_dir / "moe.jsonl", "a") as results:
+    with JsonlWriter(Path(args.out) / "moe.jsonl", echo=sys.stderr) as results:
         for T in args.tokens or shape["tokens"]:
             x = torch.randn(T, d, generator=gen).to(device, dtype)
             routings = []
@@ -152,8 +109,8 @@ def main(argv=None) -> list[dict]:
             touched = statistics.mean(ids.unique().numel() for _, ids in routings)
             weight_bytes = touched * expert_bytes
             flops = 2 * T * k * 3 * d * inter
-            bw_floor_ms = weight_bytes / copy_tbps / 1e9
-            mm_floor_ms = flops / matmul_tflops / 1e9
+            bw_floor_ms = weight_bytes / copy / 1e9
+            mm_floor_ms = flops / matmul / 1e9
             runs = [("triton", None, True), ("triton_eager", None, False)]
             if T <= REF_MAX_TOKENS:
                 runs.append(("torch_ref", None, False))
@@ -163,7 +120,7 @@ def main(argv=None) -> list[dict]:
             for backend, cfg, graph in runs:
                 rec = dict(base, tokens=T, backend=backend, experts_touched=touched, ms=None)
                 try:
-                    ms = bench(make_call(backend, cfg, x, gate_up, down, routings), device, graph=graph)
+                    ms = bench_ms(make_call(backend, cfg, x, gate_up, down, routings), device, graph=graph)
                     rec.update(
                         ms=round(ms, 4),
                         tbps_weights=round(weight_bytes / ms / 1e9, 3),
@@ -177,12 +134,10 @@ def main(argv=None) -> list[dict]:
                     )
                 except Exception as err:  # a failing case is recorded, the rest still run
                     rec["error"] = f"{type(err).__name__}: {err}"[:500]
-                records.append(rec)
-                results.write(json.dumps(rec) + "\n")
-                results.flush()
-                print(json.dumps(rec), file=sys.stderr, flush=True)
+                results.write(rec)
 
-    print(f"\n{base['gpu']}: copy {copy_tbps:.2f} TB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s\n")
+    records = results.records
+    print(f"\n{base['gpu']}: copy {copy:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s\n")
     print("| tokens | backend | experts | ms | weight TB/s | % bw floor | TFLOP/s | % mm floor |")
     print("|---|---|---|---|---|---|---|---|")
     for r in records:

@@ -105,7 +105,9 @@ class MLAttention(nn.Module):
         self.rope_theta = config.rope_theta
         self.scale = (self.nope + self.rope) ** -0.5
         d, h = config.hidden_size, self.num_heads
-        if config.q_lora_rank is None:
+        self.q_lora = config.q_lora_rank is not None
+        self.output_gate = config.mla_use_output_gate
+        if not self.q_lora:
             self.q_proj = nn.Linear(d, h * (self.nope + self.rope), bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
@@ -120,7 +122,7 @@ class MLAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [T, H, nope + rope] and new cache latents [T, r + rope] for packed tokens x [T, d]."""
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         if self.use_rope:
@@ -132,7 +134,7 @@ class MLAttention(nn.Module):
         """x [T, d] packed tokens -> [T, d]. `cache.mla_attention` stores the new latents and attends."""
         q, latent = self.project(x, batch.positions)
         o = cache.mla_attention(self, q, latent, batch).reshape(x.shape[0], -1)
-        if hasattr(self, "g_proj"):
+        if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 

@@ -36,15 +36,21 @@ class KimiK3DecoderLayer(nn.Module):
         self.self_attn = MLAttention(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.is_moe_layer(layer_idx):
+        # Checkpoint names: `block_sparse_moe` for MoE layers, `mlp` for the dense ones.
+        self.is_moe = config.is_moe_layer(layer_idx)
+        if self.is_moe:
             self.block_sparse_moe = SparseMoE(config)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if self.is_moe else self.mlp
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        """x [T, d] packed tokens -> [T, d]."""
         x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return x + ffn(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):

@@ -11,20 +11,13 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
 
+from .conftest import assert_rel_close
+
 # The decorated HF functions dispatch to causal-conv1d when installed; unwrap to always compare to their torch code.
 hf_conv_fn = inspect.unwrap(hf.causal_conv1d_fn)
 hf_conv_update = inspect.unwrap(hf.causal_conv1d_update)
 
 D, W = 12, 4
-
-
-def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """Assert ||actual - expected|| / ||expected|| < tol (computed in fp64), reporting the error on failure."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double(), expected.double()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
 
 
 def rnd(*shape, seed=0):

@@ -3,50 +3,21 @@ state pool read and written in place, the one-token update, and prefill followed
 
 from __future__ import annotations
 
-import os
+import functools
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must be set before Triton's decorators run
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
+from kimi_helix.kernels.conv.triton import causal_conv1d_triton, causal_conv1d_update_triton
 
-from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update  # noqa: E402
-from kimi_helix.kernels.conv.triton import causal_conv1d_triton, causal_conv1d_update_triton  # noqa: E402
+from .conftest import DEVICE, TOL, assert_rel_close, cu_seqlens, rnd
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D, W = 40, 4  # D spans two masked channel blocks under the interpreter
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 LENS = [3, 1, 9, 0, 2, 20]  # shorter than W - 1, empty, and longer than a token block
+cu = functools.partial(cu_seqlens, dtype=torch.int64)
 
-
-@pytest.fixture(autouse=True)
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled floats, so an output element the kernel never writes cannot pass."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
-def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """Assert every element is finite and ||actual - expected|| / ||expected|| < tol (fp64)."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
-
-
-def rnd(*shape, seed, dtype=torch.float32):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
-
-
-def cu(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64, device=DEVICE)
+pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -11,20 +11,13 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from kimi_helix.kernels.kda import kda_gate, l2norm, naive_chunk_kda, naive_recurrent_kda
 
+from .conftest import assert_rel_close, kda_prefill_then_decode
+
 # The decorated HF functions dispatch to fla when it is installed; unwrap to always compare against their torch code.
 hf_recurrent = inspect.unwrap(hf.recurrent_kimi_delta_attention)
 hf_chunk = inspect.unwrap(hf.chunk_kimi_delta_attention)
 
 H, K, V = 2, 16, 8  # K != V so a transposed state cannot pass
-
-
-def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """Assert ||actual - expected|| / ||expected|| < tol (computed in fp64), reporting the error on failure."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double(), expected.double()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
 
 
 def make_inputs(B, T, seed=0, dtype=torch.float32, normalize_k=False, state=False, n_states=None):
@@ -138,16 +131,8 @@ def test_strong_decay_stays_finite():
 @pytest.mark.parametrize("T", [6, 70])
 def test_prefill_then_decode(T):
     q, k, v, g, beta, s0 = make_inputs(2, T, seed=21, state=True)
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_full, s_full = naive_chunk_kda(q, k, v, g, beta, initial_state=s0, **kw)
-    P = T - 5
-    o_pre, s = naive_chunk_kda(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], initial_state=s0, **kw)
-    outs = [o_pre]
-    for t in range(P, T):
-        sl = slice(t, t + 1)
-        o_t, s = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=s, **kw)
-        outs.append(o_t)
-    assert_rel_close("o", torch.cat(outs, dim=1), o_full, 1e-5)
+    o, s, o_full, s_full = kda_prefill_then_decode(naive_recurrent_kda, q, k, v, g, beta, s0, prefill_len=T - 5)
+    assert_rel_close("o", o, o_full, 1e-5)
     assert_rel_close("final_state", s, s_full, 1e-5)
 
 

@@ -4,64 +4,24 @@ at real shapes and fla parity on the GPU; plus the prefill benchmark's smoke run
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must be set before Triton's decorators run
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda
+from kimi_helix.kernels.kda.chunk import chunk_kda
 
-from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
-from kimi_helix.kernels.kda.chunk import chunk_kda  # noqa: E402
+from .conftest import DEVICE, TOL, assert_rel_close, make_kda_inputs
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, V = 2, 32, 16  # K != V so a transposed state cannot pass; K spans two 16-wide slices of the intra kernel
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 LENS = [17, 0, 5, 40]  # packed sequences: across a chunk boundary, empty, short, three chunks of 16
+make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, dtype; h, k, v overridable
 
-
-@pytest.fixture(autouse=True)
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled floats, so an output or intermediate the kernels never write cannot pass."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
-def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """Assert every element is finite and ||actual - expected|| / ||expected|| < tol (fp64)."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
-
-
-def make_inputs(B, T, seed, dtype=torch.float32, h=H, k=K, v=V, n_states=None, raw_gate=False, lower_bound=None):
-    """Random inputs on DEVICE: q, k, v, g (log-decay, or the raw pre-activation when raw_gate), beta, s0, and the
-    gate parameters (A_log, dt_bias)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, kk, vv = rnd(B, T, h, k), rnd(B, T, h, k), rnd(B, T, h, v)
-    A_log = rnd(h) * 0.5
-    dt_bias = rnd(h * k) * 0.5 - 1.0
-    f = rnd(B, T, h, k) * 3.0
-    g = f if raw_gate else kda_gate(f, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(rnd(B, T, h))
-    s0 = rnd(n_states or B, h, k, v) * 0.3
-    out = [q.to(dtype), kk.to(dtype), vv.to(dtype), g, beta.to(dtype), s0, A_log, dt_bias]
-    return [t.to(DEVICE) for t in out]
+pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])

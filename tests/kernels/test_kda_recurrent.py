@@ -3,68 +3,24 @@ intermediate states, in-kernel gate, prefill then decode; plus the decode benchm
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must be set before Triton's decorators run
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kimi_helix.kernels.kda import kda_gate, naive_recurrent_kda
+from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda
 
-from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
-from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda  # noqa: E402
+from .conftest import DEVICE, TOL, assert_rel_close, cu_seqlens, kda_prefill_then_decode, make_kda_inputs
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, V = 2, 16, 40  # K != V, and V spans two masked V-blocks
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 LENS = [3, 1, 9, 0, 5]  # packed sequences, one of them empty
+make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, dtype; h, k, v overridable
 
-
-@pytest.fixture(autouse=True)
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled floats, so an output element the kernel never writes cannot pass."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
-def assert_rel_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """Assert every element is finite and ||actual - expected|| / ||expected|| < tol (fp64)."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
-
-
-def make_inputs(B, T, seed, dtype=torch.float32, h=H, k=K, v=V, n_states=None, raw_gate=False, lower_bound=None):
-    """Random inputs on DEVICE: q, k, v, g (log-decay, or the raw pre-activation when raw_gate), beta, s0, and the
-    gate parameters (A_log, dt_bias)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, kk, vv = rnd(B, T, h, k), rnd(B, T, h, k), rnd(B, T, h, v)
-    A_log = rnd(h) * 0.5
-    dt_bias = rnd(h * k) * 0.5 - 1.0
-    f = rnd(B, T, h, k) * 3.0
-    g = f if raw_gate else kda_gate(f, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(rnd(B, T, h))
-    s0 = rnd(n_states or B, h, k, v) * 0.3
-    out = [x.to(dtype) for x in (q, kk, vv)] + [g.to(dtype) if raw_gate else g, beta.to(dtype), s0, A_log, dt_bias]
-    return [x.to(DEVICE) for x in out]
-
-
-def cu(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -77,7 +33,7 @@ def test_matches_naive(dtype, varlen, with_state):
         initial_state=s0 if with_state else None,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu(LENS) if varlen else None,
+        cu_seqlens=cu_seqlens(LENS) if varlen else None,
     )
     o, s = fused_recurrent_kda(q, k, v, g, beta, **kw)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, **kw)
@@ -98,8 +54,8 @@ def test_no_l2norm_custom_scale_no_final_state():
 def test_varlen_equals_per_sequence():
     q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=3, n_states=len(LENS))
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    bounds = cu(LENS).tolist()
-    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu(LENS), **kw)
+    bounds = cu_seqlens(LENS).tolist()
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu_seqlens(LENS), **kw)
     for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         x = [t[:, a:b] for t in (q, k, v, g, beta)]
         o_n, s_n = fused_recurrent_kda(*x, initial_state=s0[n : n + 1], **kw)
@@ -113,7 +69,7 @@ def test_state_pool_in_place(output_final_state):
     lens, slots = [2, 1, 4], torch.tensor([5, 0, 3], device=DEVICE)
     q, k, v, g, beta, pool, _, _ = make_inputs(1, sum(lens), seed=4, n_states=7)
     before = pool.clone()
-    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu(lens))
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens))
     o, ret = fused_recurrent_kda(
         q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=output_final_state, **kw
     )
@@ -136,7 +92,7 @@ def test_intermediate_states_equal_decode_steps(varlen):
     q, k, v, g, beta, pool, _, _ = make_inputs(B, T, seed=5, n_states=6)
     slots = torch.tensor([4, 1, 2][: len(lens)], device=DEVICE)
     start = pool.clone()
-    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu(lens) if varlen else None)
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens) if varlen else None)
     o, states = fused_recurrent_kda(
         q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
         return_intermediate_states=True, **kw,
@@ -172,16 +128,8 @@ def test_gate_in_kernel(lower_bound, dtype):
 def test_prefill_then_decode():
     T = 9
     q, k, v, g, beta, s0, _, _ = make_inputs(2, T, seed=7)
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_full, s_full = naive_chunk_kda(q, k, v, g, beta, initial_state=s0, **kw)
-    P = T - 5
-    o_pre, s = naive_chunk_kda(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], initial_state=s0, **kw)
-    outs = [o_pre]
-    for t in range(P, T):
-        step = [x[:, t : t + 1] for x in (q, k, v, g, beta)]
-        o_t, s = fused_recurrent_kda(*step, initial_state=s, **kw)
-        outs.append(o_t)
-    assert_rel_close("o", torch.cat(outs, dim=1), o_full, 1e-5)
+    o, s, o_full, s_full = kda_prefill_then_decode(fused_recurrent_kda, q, k, v, g, beta, s0, prefill_len=T - 5)
+    assert_rel_close("o", o, o_full, 1e-5)
     assert_rel_close("final_state", s, s_full, 1e-5)
 
 
@@ -205,7 +153,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="beta must"):
         fused_recurrent_kda(q, k, v, g, beta[..., None])
     with pytest.raises(ValueError, match="cu_seqlens requires"):
-        fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=cu([1, 1]))
+        fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens([1, 1]))
     with pytest.raises(ValueError, match="initial_state"):
         fused_recurrent_kda(q, k, v, g, beta, initial_state=s0[:1])
     with pytest.raises(ValueError, match="pool"):
@@ -262,7 +210,7 @@ def test_gpu_bf16_decode_and_verify(lower_bound):
     # verify: k + 1 = 4 tokens per sequence, varlen, every intermediate state
     lens = [4] * 16
     q, k, v, g, beta, s0, _, _ = make_inputs(1, 64, seed=11, dtype=torch.bfloat16, h=Hr, k=Kr, v=Kr, n_states=16)
-    kw = dict(initial_state=s0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu(lens))
+    kw = dict(initial_state=s0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens))
     o, states = fused_recurrent_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
     o_ref, states_ref = naive_recurrent_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
     assert_rel_close("verify o", o, o_ref, TOL[torch.bfloat16])

@@ -8,30 +8,20 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must be set before Triton's decorators run
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kimi_helix.kernels.mla import decode
+from kimi_helix.kernels.mla.decode import mla_decode_triton
+from kimi_helix.kernels.mla.naive import mla_decode_ref
 
-from kimi_helix.kernels.mla import decode  # noqa: E402
-from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
-from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
+from .conftest import DEVICE, TOL
+from .conftest import assert_rel_close as shared_assert_rel_close
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_LORA, ROPE = 32, 16
 FP8 = torch.float8_e4m3fn
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def assert_rel_close(name, actual, expected, tol):
-    """||actual - expected|| / ||expected|| < tol in fp64; every element of actual must be finite, except that an
-    lse may be -inf exactly where the expected one is (a query that sees no key)."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double().cpu(), expected.double().cpu()
-    no_keys = b == float("-inf")
-    assert (a[no_keys] == float("-inf")).all(), f"{name}: -inf expected where no key is visible"
-    a, b = a[~no_keys], b[~no_keys]
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
+    """The shared check, except that an lse may be -inf exactly where the expected one is (a query that sees no key)."""
+    shared_assert_rel_close(name, actual, expected, tol, neg_inf_where_expected=True)
 
 
 def make_case(lens, s_q, H, *, page_size=16, kv_lora=KV_LORA, rope=ROPE, dtype=torch.float32, kv_dtype=None, seed=0):
@@ -83,18 +73,6 @@ def make_case(lens, s_q, H, *, page_size=16, kv_lora=KV_LORA, rope=ROPE, dtype=t
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}, dense
 
 
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Every float tensor the kernel wrapper allocates starts as NaN, so an unwritten output element fails."""
-    real_empty = torch.empty
-
-    def nan_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(decode.torch, "empty", nan_empty)
-
-
 def dense_attention(args, dense, kv_bounds=None):
     """Direct fp64 softmax attention per (sequence, query, head) on the dense latents: independent of the pages."""
     q, cu, lens = args["q"].cpu().double(), args["cu_seqlens_q"].tolist(), args["cache_seqlens"].tolist()
@@ -123,7 +101,7 @@ def test_reference_matches_dense_softmax(s_q):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("H", "s_q"), [(1, 1), (3, 2), (16, 1), (16, 2), (16, 4)])
-def test_triton_matches_reference(poison_empty, dtype, H, s_q):
+def test_triton_matches_reference(nan_empty, dtype, H, s_q):
     lens = [1, 40, 17, 64 + s_q]  # 1 token; not a page multiple; exactly 4 pages + s_q
     args, _ = make_case(lens, [s_q] * len(lens), H, dtype=dtype, seed=H * 10 + s_q)
     out, lse = mla_decode_triton(**args)
@@ -133,7 +111,7 @@ def test_triton_matches_reference(poison_empty, dtype, H, s_q):
     assert_rel_close("lse", lse, want_lse, 1e-5)
 
 
-def test_ragged_queries_page_sizes_and_mixed_dtypes(poison_empty):
+def test_ragged_queries_page_sizes_and_mixed_dtypes(nan_empty):
     # s_q differs per sequence (one has no queries at all); 128-token pages hold several BLOCK_N tiles each.
     args, dense = make_case([9, 300, 3, 130], [3, 1, 0, 2], H=5, page_size=128, dtype=torch.float16, seed=7)
     args["kv_cache"] = args["kv_cache"].float()  # an fp32 cache under fp16 queries computes in fp32
@@ -144,7 +122,7 @@ def test_ragged_queries_page_sizes_and_mixed_dtypes(poison_empty):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fp8_cache(poison_empty, dtype):
+def test_fp8_cache(nan_empty, dtype):
     args, dense = make_case([23, 1, 50], [2, 2, 2], H=4, kv_dtype=FP8, dtype=dtype, seed=3)
     out, lse = mla_decode_triton(**args)
     want_out, want_lse = mla_decode_ref(**args)
@@ -154,7 +132,7 @@ def test_fp8_cache(poison_empty, dtype):
 
 
 @pytest.mark.parametrize("splits", [None, 3])
-def test_kv_bounds_with_empty_queries(poison_empty, splits):
+def test_kv_bounds_with_empty_queries(nan_empty, splits):
     lens = [20, 45]
     args, dense = make_case(lens, [3, 3], H=3, seed=11)
     bounds = torch.tensor([0, 7, 20, 0, 45, 60], dtype=torch.int32)  # 60 > 45: clamped to the sequence length
@@ -171,7 +149,7 @@ def test_kv_bounds_with_empty_queries(poison_empty, splits):
     )
 
 
-def test_split_kv_matches_unsplit(poison_empty):
+def test_split_kv_matches_unsplit(nan_empty):
     # 5 splits of a 1-token sequence leave four splits empty (lse -inf, weight 0) in the merge.
     args, _ = make_case([1, 33, 150], [2, 2, 2], H=16, seed=5)
     base_out, base_lse = mla_decode_triton(**args, num_kv_splits=1)
@@ -223,7 +201,7 @@ def test_bench_smoke(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_real_shape_fp32_fp16_fit(poison_empty, dtype):
+def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
     """fp32 and fp16 at the real latent width: their tiles must fit the GPU's shared memory too."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -237,7 +215,7 @@ def test_gpu_real_shape_fp32_fp16_fit(poison_empty, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
 @pytest.mark.parametrize(("H", "s_q"), [(16, 1), (16, 4), (96, 1), (96, 4), (128, 1), (128, 4)])
-def test_gpu_bf16_real_shape(poison_empty, kv, H, s_q):
+def test_gpu_bf16_real_shape(nan_empty, kv, H, s_q):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(H + s_q)

@@ -9,34 +9,21 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must be set before Triton's decorators run
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import kimi_helix.kernels.moe.triton as moe_triton
+from kimi_helix import KimiK3Config
+from kimi_helix.kernels.moe import fused_experts_ref, moe_router_ref
+from kimi_helix.kernels.moe.triton import MoeConfig, default_config, fused_experts_triton
+from kimi_helix.modeling.moe import RoutedExperts, TopkRouter
 
-import kimi_helix.kernels.moe.triton as moe_triton  # noqa: E402
-from kimi_helix import KimiK3Config  # noqa: E402
-from kimi_helix.kernels.moe import fused_experts_ref, moe_router_ref  # noqa: E402
-from kimi_helix.kernels.moe.triton import MoeConfig, default_config, fused_experts_triton  # noqa: E402
-from kimi_helix.modeling.moe import RoutedExperts, TopkRouter  # noqa: E402
+from .conftest import DEVICE, TOL, assert_rel_close
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 E, K, D, I = 8, 2, 32, 16
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_moe.py"
-
-
-def assert_rel_close(name, actual, expected, tol):
-    """||actual - expected|| / ||expected|| < tol in fp64, and every element of actual finite."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, b = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(a).all(), f"{name}: non-finite values"
-    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
 
 
 @contextlib.contextmanager

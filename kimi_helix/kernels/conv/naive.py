@@ -7,10 +7,16 @@ previous ``W - 1`` raw inputs, oldest first, in the input dtype. Packed variable
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
+from kimi_helix.kernels.kda.common import segment_bounds
+
 __all__ = ["causal_conv1d", "causal_conv1d_update"]
+
+_PACKED = "x [1, total_T, D]"  # the packed layout, for cu_seqlens messages
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -21,7 +27,7 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
 
 
-def _check_weight(weight: torch.Tensor, D: int) -> int:
+def check_weight(weight: torch.Tensor, D: int) -> int:
     if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
         raise ValueError(f"weight must have shape [D, W]=[{D}, W] with W >= 1, got {list(weight.shape)}")
     return weight.shape[1]
@@ -30,20 +36,6 @@ def _check_weight(weight: torch.Tensor, D: int) -> int:
 def _check_state(name: str, state: torch.Tensor, N: int, W: int, D: int) -> None:
     if tuple(state.shape) != (N, W - 1, D):
         raise ValueError(f"{name} must have shape [N, W-1, D]=[{N}, {W - 1}, {D}], got {list(state.shape)}")
-
-
-def _segments(cu_seqlens: torch.Tensor, B: int, T: int) -> list[tuple[int, int]]:
-    if B != 1:
-        raise ValueError(f"cu_seqlens requires batch size 1 (packed input x [1, total_T, D]), got B={B}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
-            f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
-        )
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
@@ -89,9 +81,9 @@ def causal_conv1d(
     if x.dim() != 3:
         raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
     B, T, D = x.shape
-    W = _check_weight(weight, D)
+    W = check_weight(weight, D)
     _activate(x.new_zeros(()), activation)  # reject a bad activation before doing any work
-    segs = None if cu_seqlens is None else _segments(cu_seqlens, B, T)
+    segs = None if cu_seqlens is None else list(pairwise(segment_bounds(cu_seqlens, B, T, _PACKED)))
     N = B if segs is None else len(segs)
     if initial_state is not None:
         _check_state("initial_state", initial_state, N, W, D)
@@ -133,7 +125,7 @@ def causal_conv1d_update(
     if x.dim() != 2:
         raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
     N, D = x.shape
-    W = _check_weight(weight, D)
+    W = check_weight(weight, D)
     _check_state("conv_state", conv_state, N, W, D)
     window = torch.cat([conv_state.float(), x.float().unsqueeze(1)], dim=1)  # [N, W, D], oldest first
     y = torch.einsum("nwd,dw->nd", window, weight.float())

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.conv.naive import check_weight
+from kimi_helix.kernels.kda.common import check_cu_seqlens, check_device, check_index, check_triton_device
+
 __all__ = ["causal_conv1d_triton", "causal_conv1d_update_triton"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -169,13 +172,10 @@ def _silu(activation: str | None) -> bool:
 def _check_common(x: torch.Tensor, weight: torch.Tensor, D: int) -> int:
     if x.dtype not in _DTYPES:
         raise ValueError(f"x dtype must be fp32, fp16 or bf16, got {x.dtype}")
-    if x.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"x is on {x.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
-    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
-        raise ValueError(f"weight must have shape [D, W]=[{D}, W] with W >= 1, got {list(weight.shape)}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    return weight.shape[1]
+    check_triton_device("x", x)
+    W = check_weight(weight, D)
+    check_device("weight", weight, x.device, "x")
+    return W
 
 
 def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int, n: int | None) -> None:
@@ -183,20 +183,9 @@ def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int
     lead = "slots" if n is None else n
     if state.dim() != 3 or tuple(state.shape[1:]) != (W - 1, D) or (n is not None and state.shape[0] != n):
         raise ValueError(f"{name} must have shape [{lead}, W-1, D]=[{lead}, {W - 1}, {D}], got {list(state.shape)}")
-    if state.device != x.device:
-        raise ValueError(f"{name} is on {state.device}, x on {x.device}")
+    check_device(name, state, x.device, "x")
     if state.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous along D (it is read and written in place)")
-
-
-def _check_indices(state_indices: torch.Tensor, n: int, x: torch.Tensor) -> None:
-    if state_indices.dim() != 1 or state_indices.numel() != n or state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"state_indices must be an int32/int64 tensor of shape [{n}], got {state_indices.dtype} "
-            f"{list(state_indices.shape)}"
-        )
-    if state_indices.device != x.device:
-        raise ValueError(f"state_indices is on {state_indices.device}, x on {x.device}")
 
 
 def causal_conv1d_triton(
@@ -233,19 +222,11 @@ def causal_conv1d_triton(
     B, T, D = x.shape
     W = _check_common(x, weight, D)
     silu = _silu(activation)
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1 (packed input x [1, total_T, D]), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
-                f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
-            )
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, "x [1, total_T, D]")
     if state_indices is not None:
         if initial_state is None:
             raise ValueError("state_indices addresses a state pool: pass the pool as initial_state")
-        _check_indices(state_indices, N, x)
+        check_index("state_indices", state_indices, N, x.device, "x")
     if initial_state is not None:
         _check_state("initial_state", initial_state, x, W, D, None if state_indices is not None else N)
 
@@ -315,7 +296,7 @@ def causal_conv1d_update_triton(
     W = _check_common(x, weight, D)
     silu = _silu(activation)
     if state_indices is not None:
-        _check_indices(state_indices, N, x)
+        check_index("state_indices", state_indices, N, x.device, "x")
     _check_state("conv_state", conv_state, x, W, D, None if state_indices is not None else N)
     if x.stride(-1) != 1:
         x = x.contiguous()

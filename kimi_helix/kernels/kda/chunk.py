@@ -16,7 +16,7 @@ pass it on the CPU to avoid a device sync.
 
 from __future__ import annotations
 
-import os
+from itertools import pairwise
 
 import torch
 import triton
@@ -24,6 +24,15 @@ import triton
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
+from kimi_helix.kernels.kda.common import (
+    check_device,
+    check_gate_args,
+    check_kda_inputs,
+    check_shape,
+    check_state,
+    check_triton_device,
+    segment_bounds,
+)
 
 __all__ = ["chunk_kda"]
 
@@ -31,27 +40,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BC = 16  # rows per sub-block of a chunk: the smallest tl.dot tile
 
 
-def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], desc: str) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{name} must have shape {desc}={list(expected)}, got {list(t.shape)}")
-
-
 def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device: torch.device):
     """(cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2] of (sequence, chunk), chunk_offsets int32 [N+1])."""
-    if cu_seqlens is None:
-        bounds = [b * T for b in range(B + 1)]
-    else:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1 (packed input [1, total_T, ...]), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
-                f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
-            )
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in zip(bounds[:-1], bounds[1:])):
-            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
-    counts = [triton.cdiv(e - b, BT) for b, e in zip(bounds[:-1], bounds[1:])]
+    bounds = segment_bounds(cu_seqlens, B, T)
+    counts = [triton.cdiv(e - b, BT) for b, e in pairwise(bounds)]
     pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
     offsets = [0]
     for c in counts:
@@ -108,48 +100,24 @@ def chunk_kda(
         ``(o [B, T, H, V] in q.dtype, final_state)``: final_state is ``[N, H, K, V]`` fp32, the pool with
         ``state_indices``, or None without ``output_final_state``.
     """
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K] and v [B, T, H, V], got {list(q.shape)} and {list(v.shape)}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    _check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    _check_shape("v", v, (B, T, H, V), "[B, T, H, V]")
-    _check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
-    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"q is on {q.device}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)")
+        check_device(name, t, q.device)
+    check_triton_device("q", q)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     if K > 256 or V > 256:
         raise ValueError(f"head dims up to 256 are supported, got K={K}, V={V}")
-    if (A_log is None) != (dt_bias is None):
-        raise ValueError("A_log and dt_bias must be given together (in-kernel gate) or both omitted")
-    if lower_bound is not None and (A_log is None or not lower_bound < 0):
-        raise ValueError(f"lower_bound must be negative and needs A_log/dt_bias, got {lower_bound}")
-    if A_log is not None and (A_log.numel() != H or dt_bias.numel() != H * K):
-        raise ValueError(f"A_log needs H={H} elements and dt_bias H*K={H * K}, got {A_log.numel()}, {dt_bias.numel()}")
+    check_gate_args(A_log, dt_bias, lower_bound, H, K)
 
     cu, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T, chunk_size, q.device)
     N, NT = cu.numel() - 1, chunk_indices.shape[0]
+    initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
     if state_indices is not None:
-        if initial_state is None:
-            raise ValueError("state_indices needs initial_state (the state pool [slots, H, K, V])")
-        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (H, K, V):
-            raise ValueError(f"the state pool must have shape [slots, H, K, V], got {list(initial_state.shape)}")
-        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("the state pool must be a contiguous fp32 tensor (it is updated in place)")
-        _check_shape("state_indices", state_indices, (N,), "[N]")
+        check_shape("state_indices", state_indices, (N,), "[N]")
         state_indices = state_indices.to(q.device, torch.int32)
-    elif initial_state is not None:
-        _check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
-        initial_state = initial_state.contiguous()
-    if initial_state is not None and initial_state.device != q.device:
-        raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = K**-0.5 if scale is None else scale

@@ -11,11 +11,19 @@ place; the forget gate may be computed in the kernel from its raw pre-activation
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kimi_helix.kernels.kda.common import (
+    check_cu_seqlens,
+    check_device,
+    check_gate_args,
+    check_index,
+    check_kda_inputs,
+    check_state,
+    check_triton_device,
+)
 
 __all__ = ["fused_recurrent_kda"]
 
@@ -132,10 +140,6 @@ def fused_recurrent_kda_fwd_kernel(
         tl.store(ht + (slot * H + i_h) * (K * V) + off_kv, b_h.to(ht.dtype.element_ty), mask=mask_kv)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _config(N: int, H: int, V: int) -> tuple[int, int]:
     """(BV, num_warps). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences BV drops to 16 so
     that more programs, hence more state loads, are in flight. Not yet tuned on the H200: `scripts/bench_kda_decode.py
@@ -154,13 +158,6 @@ def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, i
     if ndim == 4 and x.stride(-1) != 1:
         x = x.contiguous()
     return x, x.stride(0), x.stride(1)
-
-
-def _check_index(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
-    if t.dim() != 1 or t.numel() != numel or t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be an int32/int64 tensor of shape [{numel}], got {t.dtype} {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, q on {device}")
 
 
 def fused_recurrent_kda(
@@ -211,57 +208,22 @@ def fused_recurrent_kda(
         ``state_indices``) or None; with ``return_intermediate_states`` it is ``[B * T, H, K, V]`` fp32 in packed
         token order.
     """
-    if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q and v must have shape [B, T, H, K] and [B, T, H, V], got {list(q.shape)}, {list(v.shape)}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    for name, t, shape in (
-        ("k", k, (B, T, H, K)),
-        ("v", v, (B, T, H, V)),
-        ("g", g, (B, T, H, K)),
-        ("beta", beta, (B, T, H)),
-    ):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         if t.dtype not in _DTYPES:
             raise ValueError(f"{name} dtype must be fp32, fp16 or bf16, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
+        check_device(name, t, q.device)
+    check_triton_device("q", q)
+    N = B
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1 (packed input [1, total_T, ...]), got B={B}")
-        _check_index("cu_seqlens", cu_seqlens, max(cu_seqlens.numel(), 2), q.device)
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if (A_log is None) != (dt_bias is None):
-        raise ValueError("A_log and dt_bias must be given together (the in-kernel gate needs both)")
+        N = check_cu_seqlens(cu_seqlens, B)
+        check_device("cu_seqlens", cu_seqlens, q.device)
+    check_gate_args(A_log, dt_bias, lower_bound, H, K)
     if A_log is not None:
-        if A_log.numel() != H or dt_bias.numel() != H * K:
-            raise ValueError(
-                f"A_log needs H={H} and dt_bias H*K={H * K} elements, got {A_log.numel()}, {dt_bias.numel()}"
-            )
         A_log, dt_bias = A_log.reshape(H).contiguous(), dt_bias.reshape(H * K).contiguous()
-    elif lower_bound is not None:
-        raise ValueError("lower_bound applies to the in-kernel gate only: pass A_log and dt_bias")
-    if lower_bound is not None and not lower_bound < 0:
-        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
     if state_indices is not None:
-        if initial_state is None:
-            raise ValueError("state_indices addresses a state pool: pass the pool as initial_state")
-        _check_index("state_indices", state_indices, N, q.device)
-        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (H, K, V):
-            raise ValueError(
-                f"initial_state (the pool) must have shape [slots, {H}, {K}, {V}], got {list(initial_state.shape)}"
-            )
-        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("the state pool must be a contiguous fp32 tensor: it is updated in place")
-    elif initial_state is not None:
-        if tuple(initial_state.shape) != (N, H, K, V):
-            raise ValueError(
-                f"initial_state must have shape [N, H, K, V]={[N, H, K, V]}, got {list(initial_state.shape)}"
-            )
-        initial_state = initial_state.contiguous()
+        check_index("state_indices", state_indices, N, q.device)
+    initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
 
     q_, sqt, sqh = _token_major("q", q, 4)
     k_, skt, skh = _token_major("k", k, 4)

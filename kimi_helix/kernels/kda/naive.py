@@ -10,8 +10,13 @@ recurrent state ``[N, H, K, V]`` (fp32). Packed variable-length input has ``B ==
 
 from __future__ import annotations
 
+from functools import partial
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
+
+from kimi_helix.kernels.kda.common import check_kda_inputs, check_shape, segment_bounds
 
 __all__ = ["kda_gate", "l2norm", "naive_recurrent_kda", "naive_chunk_kda"]
 
@@ -71,46 +76,22 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # input handling shared by both references
 
 
-def _check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], desc: str) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{name} must have shape {desc}={list(expected)}, got {list(t.shape)}")
-
-
 def _segments(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[int, int]] | None:
     """Validate cu_seqlens and return [(start, end)] per sequence, or None for a plain batch."""
     if cu_seqlens is None:
         return None
-    if B != 1:
-        raise ValueError(f"cu_seqlens requires batch size 1 (packed input [1, total_T, ...]), got B={B}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens must be an int32/int64 tensor of shape [N+1] with N >= 1, "
-            f"got {cu_seqlens.dtype} {list(cu_seqlens.shape)}"
-        )
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != T or any(b > e for b, e in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {bounds}")
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    return list(pairwise(segment_bounds(cu_seqlens, B, T)))
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
     """Validate shapes; return fp32 (q scaled, k, v, g, beta), the fp32 initial state [N,H,K,V] and segments."""
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {list(q.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4:
-        raise ValueError(f"v must have shape [B, T, H, V], got {list(v.shape)}")
-    V = v.shape[-1]
-    _check_shape("k", k, (B, T, H, K), "[B, T, H, K]")
-    _check_shape("v", v, (B, T, H, V), "[B, T, H, V]")
-    _check_shape("g", g, (B, T, H, K), "[B, T, H, K]")
-    _check_shape("beta", beta, (B, T, H), "[B, T, H]")
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
     segs = _segments(cu_seqlens, B, T)
     N = B if segs is None else len(segs)
     if initial_state is None:
         state = q.new_zeros(N, H, K, V, dtype=torch.float32)
     else:
-        _check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
+        check_shape("initial_state", initial_state, (N, H, K, V), "[N, H, K, V]")
         state = initial_state.float()
 
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
@@ -121,10 +102,17 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu
     return q, k, v, g, beta, state, segs
 
 
-def _run_segments(fn, segs, tensors, state):
-    """Apply ``fn(*tensors_slice, state_slice) -> (o, final, extra)`` per batch (or per packed sequence)."""
+def _run(fn, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """Validate and prepare the inputs (see :func:`_prepare`), then apply ``fn(q, k, v, g, beta, S) -> (o, final,
+    extra)`` per batch (or per packed sequence). Returns ``(o in the input q's dtype, final, extra)``."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, state, segs = _prepare(
+        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens
+    )
+    tensors = (q, k, v, g, beta)
     if segs is None:
-        return fn(*tensors, state)
+        o, final, extra = fn(*tensors, state)
+        return o.to(out_dtype), final, extra
     outs, finals, extras = [], [], []
     for n, (s, e) in enumerate(segs):
         o, final, extra = fn(*(t[:, s:e] for t in tensors), state[n : n + 1])
@@ -132,7 +120,7 @@ def _run_segments(fn, segs, tensors, state):
         finals.append(final)
         extras.append(extra)
     extra = None if extras[0] is None else torch.cat(extras, dim=0)
-    return torch.cat(outs, dim=1), torch.cat(finals, dim=0), extra
+    return torch.cat(outs, dim=1).to(out_dtype), torch.cat(finals, dim=0), extra
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -193,18 +181,11 @@ def naive_recurrent_kda(
         ``return_intermediate_states=True`` the second item is ``[B * T, H, K, V]`` fp32, the state after each
         token in packed token order (for rolling back speculative decoding).
     """
-    out_dtype = q.dtype
-    q, k, v, g, beta, state, segs = _prepare(
-        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens
-    )
-
-    def fn(q, k, v, g, beta, S):
-        return _recurrent_segment(q, k, v, g, beta, S, return_intermediate_states)
-
-    o, final, states = _run_segments(fn, segs, (q, k, v, g, beta), state)
+    fn = partial(_recurrent_segment, keep_states=return_intermediate_states)
+    o, final, states = _run(fn, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
     if return_intermediate_states:
-        return o.to(out_dtype), states
-    return o.to(out_dtype), final if output_final_state else None
+        return o, states
+    return o, final if output_final_state else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -287,13 +268,6 @@ def naive_chunk_kda(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    out_dtype = q.dtype
-    q, k, v, g, beta, state, segs = _prepare(
-        q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens
-    )
-
-    def fn(q, k, v, g, beta, S):
-        return _chunk_segment(q, k, v, g, beta, S, chunk_size)
-
-    o, final, _ = _run_segments(fn, segs, (q, k, v, g, beta), state)
-    return o.to(out_dtype), final if output_final_state else None
+    fn = partial(_chunk_segment, chunk_size=chunk_size)
+    o, final, _ = _run(fn, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return o, final if output_final_state else None
