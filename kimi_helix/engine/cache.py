@@ -117,6 +117,7 @@ class CacheView:
         self.blocks = blocks
         self.backend = backend
         self.slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
+        self._block_table: torch.Tensor | None = None
 
     def _page_index(self, blocks: SequenceBlocks, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         ps = self.cache.ledger.page_size
@@ -148,12 +149,15 @@ class CacheView:
         return out
 
     def block_table(self, device) -> torch.Tensor:
-        """[N, max_pages] int32 page ids of the batch's sequences (rows padded with page 0, never read)."""
-        width = max(len(b.pages) for b in self.blocks)
-        table = torch.zeros(len(self.blocks), width, dtype=torch.int32)
-        for i, b in enumerate(self.blocks):
-            table[i, : len(b.pages)] = torch.tensor(b.pages, dtype=torch.int32)
-        return table.to(device)
+        """[N, max_pages] int32 page ids of the batch's sequences (rows padded with page 0, never read); built once
+        per step and shared by every MLA layer."""
+        if self._block_table is None:
+            width = max(len(b.pages) for b in self.blocks)
+            table = torch.zeros(len(self.blocks), width, dtype=torch.int32)
+            for i, b in enumerate(self.blocks):
+                table[i, : len(b.pages)] = torch.tensor(b.pages, dtype=torch.int32)
+            self._block_table = table.to(device)
+        return self._block_table
 
     def mla_attention(self, module, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Store the new latents and attend: q [T, H, nope + rope] -> [T, H, v_dim]."""

@@ -32,15 +32,17 @@ class ForwardBatch:
     def build(cls, seq_lens: list[int], context_lens: list[int], device: torch.device | str) -> ForwardBatch:
         if len(seq_lens) != len(context_lens):
             raise ValueError(f"seq_lens ({len(seq_lens)}) and context_lens ({len(context_lens)}) differ in length")
-        cu = [0]
-        for n in seq_lens:
-            cu.append(cu[-1] + n)
-        positions = [c + j for c, n in zip(context_lens, seq_lens) for j in range(n)]
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        # position of token j of sequence i = context_lens[i] + j, built without a Python loop over tokens
+        starts = torch.tensor(context_lens, dtype=torch.int64) - cu[:-1]
+        positions = torch.arange(int(cu[-1])) + starts.repeat_interleave(lens)
         return cls(
             seq_lens=list(seq_lens),
             context_lens=list(context_lens),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            cu_seqlens=cu.to(device=device, dtype=torch.int32),
+            positions=positions.to(device),
         )
 
     @property
