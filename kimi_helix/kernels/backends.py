@@ -254,6 +254,7 @@ def select_op_backend(request: OpRequest, forced: str | None = None) -> str:
         reasons = [f"no {request.op} kernel"] if caps is None else caps.reasons(request)
         if reasons:
             raise BackendUnavailableError(f"kernel backend {forced!r} cannot serve {request}: {'; '.join(reasons)}")
+        logger.info("kernel backend %s for %s (forced)", forced, request)
         return forced
     verdicts = {}
     for name in PRIORITY.get(request.device, tuple(registry)):
