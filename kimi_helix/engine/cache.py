@@ -118,6 +118,7 @@ class CacheView:
         self.backend = backend
         self.slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
         self._block_table: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
 
     def _page_index(self, blocks: SequenceBlocks, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         ps = self.cache.ledger.page_size
@@ -189,13 +190,13 @@ class CacheView:
         return out
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
-        slots = self.slots.to(like.device)
-        return self.cache.conv[layer_idx][slots], self.cache.recurrent[layer_idx][slots]
+        """The layer's state pools and the batch's slots in them: the kernels update the pools in place."""
+        if self._slots is None or self._slots.device != like.device:
+            self._slots = self.slots.to(like.device)
+        return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self._slots
 
     def set_kda_state(self, layer_idx: int, batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor):
-        slots = self.slots.to(conv.device)
-        self.cache.conv[layer_idx][slots] = conv
-        self.cache.recurrent[layer_idx][slots] = recurrent
+        """Nothing to store: the kernels wrote the new states into the pools' slots."""
 
     def commit(self, batch: ForwardBatch) -> None:
         for blocks, total in zip(self.blocks, batch.total_lens()):

@@ -62,9 +62,9 @@ class KimiK3Cache:
         """Store the new latents and attend with the torch reference: q [T, H, nope + rope] -> [T, H, v_dim]."""
         return attend_contexts(module, q, self.append_mla(module.layer_idx, latent, batch), batch)
 
-    def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's (conv [B, W-1, 3P], recurrent [B, H, K, V] fp32) states; zeros for a new row. The conv
-        state takes the dtype and device of `like`, the layer's activations."""
+    def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
+        """This layer's (conv [B, W-1, 3P], recurrent [B, H, K, V] fp32, None) states, one per row (so no slot
+        indices); zeros for a new row. The conv state takes the dtype and device of `like`, the activations."""
         self._check_batch(batch)
         if layer_idx not in self.recurrent_states:
             c = self.config
@@ -73,7 +73,7 @@ class KimiK3Cache:
             self.recurrent_states[layer_idx] = torch.zeros(
                 self.batch_size, h, k, k, dtype=torch.float32, device=like.device
             )
-        return self.conv_states[layer_idx], self.recurrent_states[layer_idx]
+        return self.conv_states[layer_idx], self.recurrent_states[layer_idx], None
 
     def set_kda_state(self, layer_idx: int, batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor):
         self.conv_states[layer_idx] = conv

@@ -55,16 +55,19 @@ class KimiDeltaAttention(nn.Module):
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """x [T, d] packed tokens -> [T, d]. `cache.kda_state` gives this layer's states for the batch's sequences:
-        conv [N, W-1, 3P] and recurrent [N, H, K, V] fp32; `cache.set_kda_state` stores the updated ones."""
+        """x [T, d] packed tokens -> [T, d].
+
+        `cache.kda_state` gives this layer's conv [*, W-1, 3P] and fp32 recurrent [*, H, K, V] states and the slot
+        of each sequence of the batch (None: the states are already per sequence, in batch order). With slots the
+        kernels read and update the state pools in place; `cache.set_kda_state` then receives the pools."""
         t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
-        conv_state, state = cache.kda_state(self.layer_idx, batch, like=x)
+        conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if batch.is_decode:
-            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight())
+            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight(), state_indices=slots)
         else:
             qkv, conv_state = causal_conv1d(
-                qkv[None], self.conv_weight(), conv_state, output_final_state=True, cu_seqlens=batch.cu_seqlens
+                qkv[None], self.conv_weight(), conv_state, True, batch.cu_seqlens, state_indices=slots
             )
             qkv = qkv[0]
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
@@ -81,6 +84,7 @@ class KimiDeltaAttention(nn.Module):
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=batch.cu_seqlens,
+            state_indices=slots,
         )
         cache.set_kda_state(self.layer_idx, batch, conv_state, state)
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))

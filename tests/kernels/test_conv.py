@@ -149,3 +149,21 @@ def test_bad_inputs_raise():
         causal_conv1d_update(x[:, :1], s0, w)
     with pytest.raises(ValueError, match="weight"):
         causal_conv1d_update(x[:, 0], s0, w[:-1])
+
+
+def test_state_pool_by_slot_index():
+    """With state_indices the references read and update a conv-state pool in place, as the Triton kernels do."""
+    x, weight = rnd(1, 9, D, seed=21), rnd(D, W, seed=22)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    pool, slots = rnd(5, W - 1, D, seed=23), torch.tensor([3, 1])
+    before = pool.clone()
+    y_ref, final_ref = causal_conv1d(x, weight, pool[slots].clone(), True, cu)
+    y, returned = causal_conv1d(x, weight, pool, True, cu, state_indices=slots)
+    assert returned is pool and torch.equal(y, y_ref) and torch.equal(pool[slots], final_ref)
+    assert torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])
+
+    step = rnd(2, D, seed=24)
+    expected_state = pool[slots].clone()
+    y_ref = causal_conv1d_update(step, expected_state, weight)
+    assert torch.equal(causal_conv1d_update(step, pool, weight, state_indices=slots), y_ref)
+    assert torch.equal(pool[slots], expected_state) and torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])

@@ -236,3 +236,60 @@ def test_bad_shapes_raise():
         kda_gate(g, torch.zeros(H + 1), torch.zeros(H * K))
     with pytest.raises(ValueError, match="dt_bias"):
         kda_gate(g, torch.zeros(H), torch.zeros(H * K - 1))
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, naive_chunk_kda], ids=["recurrent", "chunk"])
+def test_state_pool_by_slot_index(fn):
+    """With state_indices the references read and write a state pool in place, as the Triton kernels do."""
+    q, k, v, g, beta, _ = make_inputs(1, 9, seed=11)
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # three sequences, one of them empty
+    gen = torch.Generator().manual_seed(12)
+    pool = torch.randn(6, H, K, V, generator=gen)
+    before = pool.clone()
+    slots = torch.tensor([4, 0, 2])
+    o_ref, final_ref = fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=pool[slots].clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu,
+    )
+    o, returned = fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=pool,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu,
+        state_indices=slots,
+    )
+    assert returned is pool
+    assert torch.equal(o, o_ref) and torch.equal(pool[slots], final_ref)
+    untouched = [1, 3, 5]
+    assert torch.equal(pool[untouched], before[untouched])
+    with pytest.raises(ValueError, match="state_indices needs the state pool"):
+        fn(q, k, v, g, beta, cu_seqlens=cu, state_indices=slots)
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, naive_chunk_kda], ids=["recurrent", "chunk"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_gate_computed_from_raw_preactivation(fn, lower_bound):
+    q, k, v, _, beta, _ = make_inputs(2, 7, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    f = torch.randn(2, 7, H, K, generator=gen)
+    A_log = torch.empty(1, 1, H, 1).uniform_(-0.7, 0.7, generator=gen)
+    dt_bias = torch.randn(H * K, generator=gen) * 0.5 - 2.0
+    expected = fn(q, k, v, kda_gate(f, A_log, dt_bias, lower_bound), beta, use_qk_l2norm_in_kernel=True)[0]
+    actual = fn(q, k, v, f, beta, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)[
+        0
+    ]
+    assert torch.equal(actual, expected)
+    with pytest.raises(ValueError, match="A_log and dt_bias must be given together"):
+        fn(q, k, v, f, beta, A_log=A_log)

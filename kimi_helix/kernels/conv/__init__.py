@@ -11,23 +11,31 @@ from kimi_helix.kernels.conv import naive
 
 
 def causal_conv1d(
-    x, weight, initial_state=None, output_final_state=False, cu_seqlens=None, activation="silu", *, backend=None
+    x,
+    weight,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    activation="silu",
+    state_indices=None,
+    *,
+    backend=None,
 ):
     """Causal depthwise conv + activation over x [B, T, D] (varlen with cu_seqlens); see `naive.causal_conv1d`."""
     if op_backend("conv", x, forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_triton as fn
     else:
         fn = naive.causal_conv1d
-    return fn(x, weight, initial_state, output_final_state, cu_seqlens, activation)
+    return fn(x, weight, initial_state, output_final_state, cu_seqlens, activation, state_indices)
 
 
-def causal_conv1d_update(x, conv_state, weight, activation="silu", *, backend=None):
+def causal_conv1d_update(x, conv_state, weight, activation="silu", state_indices=None, *, backend=None):
     """One decode step x [N, D] with conv_state [N, W-1, D] updated in place; see `naive.causal_conv1d_update`."""
     if op_backend("conv_update", x, forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_update_triton as fn
     else:
         fn = naive.causal_conv1d_update
-    return fn(x, conv_state, weight, activation)
+    return fn(x, conv_state, weight, activation, state_indices)
 
 
 __all__ = ["causal_conv1d", "causal_conv1d_update"]

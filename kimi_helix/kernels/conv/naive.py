@@ -12,7 +12,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kimi_helix.kernels.kda.common import segment_bounds
+from kimi_helix.kernels.kda.common import gather_states, scatter_states, segment_bounds
 
 __all__ = ["causal_conv1d", "causal_conv1d_update"]
 
@@ -58,6 +58,7 @@ def causal_conv1d(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     activation: str | None = "silu",
+    state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal depthwise conv (no bias) followed by an optional SiLU.
 
@@ -73,6 +74,9 @@ def causal_conv1d(
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of a packed ``B == 1`` input; each sequence is convolved on
             its own.
         activation: ``"silu"`` (alias ``"swish"``) or None.
+        state_indices: ``[N]``: ``initial_state`` is then a pool ``[slots, W - 1, D]``; sequence i reads slot
+            ``state_indices[i]`` and, with ``output_final_state``, its final state is written back in place (the
+            pool is returned).
 
     Returns:
         ``(y [B, T, D] in x.dtype, final_state [N, W - 1, D] in x.dtype or None)``. The final state holds the last
@@ -85,6 +89,7 @@ def causal_conv1d(
     _activate(x.new_zeros(()), activation)  # reject a bad activation before doing any work
     segs = None if cu_seqlens is None else list(pairwise(segment_bounds(cu_seqlens, B, T, _PACKED)))
     N = B if segs is None else len(segs)
+    pool, initial_state = initial_state, gather_states(initial_state, state_indices)
     if initial_state is not None:
         _check_state("initial_state", initial_state, N, W, D)
 
@@ -102,7 +107,11 @@ def causal_conv1d(
             final_list.append(xs[:, xs.shape[1] - (W - 1) :])
         y, finals = torch.cat(ys, dim=1), torch.cat(final_list, dim=0)
     y = _activate(y, activation).to(x.dtype)
-    return y, finals.to(x.dtype) if output_final_state else None
+    if not output_final_state:
+        return y, None
+    if state_indices is not None and pool is not None:
+        return y, scatter_states(pool, state_indices, finals)
+    return y, finals.to(x.dtype)
 
 
 def causal_conv1d_update(
@@ -110,6 +119,7 @@ def causal_conv1d_update(
     conv_state: torch.Tensor,
     weight: torch.Tensor,
     activation: str | None = "silu",
+    state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of :func:`causal_conv1d` for N sequences.
 
@@ -118,6 +128,8 @@ def causal_conv1d_update(
         conv_state: ``[N, W - 1, D]``, updated IN PLACE: the oldest input is dropped and ``x`` appended.
         weight: ``[D, W]``.
         activation: ``"silu"`` (alias ``"swish"``) or None.
+        state_indices: ``[N]``: ``conv_state`` is then a pool ``[slots, W - 1, D]`` and sequence i uses (and
+            updates in place) slot ``state_indices[i]``.
 
     Returns:
         ``y [N, D]`` in x.dtype.
@@ -126,9 +138,13 @@ def causal_conv1d_update(
         raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
     N, D = x.shape
     W = check_weight(weight, D)
-    _check_state("conv_state", conv_state, N, W, D)
-    window = torch.cat([conv_state.float(), x.float().unsqueeze(1)], dim=1)  # [N, W, D], oldest first
+    state = gather_states(conv_state, state_indices)
+    _check_state("conv_state", state, N, W, D)
+    window = torch.cat([state.float(), x.float().unsqueeze(1)], dim=1)  # [N, W, D], oldest first
     y = torch.einsum("nwd,dw->nd", window, weight.float())
     y = _activate(y, activation).to(x.dtype)
-    conv_state.copy_(window[:, 1:])
+    if state_indices is None:
+        conv_state.copy_(window[:, 1:])
+    else:
+        scatter_states(conv_state, state_indices, window[:, 1:])
     return y

@@ -136,3 +136,18 @@ def check_state(
     if initial_state is not None:
         check_device("initial_state", initial_state, device)
     return initial_state
+
+
+def gather_states(initial_state: torch.Tensor | None, state_indices: torch.Tensor | None) -> torch.Tensor | None:
+    """The per-sequence states of a call: `initial_state` itself, or the rows `state_indices` of a state pool."""
+    if state_indices is None:
+        return initial_state
+    if initial_state is None:
+        raise ValueError("state_indices needs the state pool as initial_state")
+    return initial_state[state_indices.long()]
+
+
+def scatter_states(pool: torch.Tensor, state_indices: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """Write the final states back into their pool slots in place; return the pool (the kernels' contract)."""
+    pool[state_indices.long()] = final.to(pool.dtype)
+    return pool

@@ -16,7 +16,13 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kimi_helix.kernels.kda.common import check_kda_inputs, check_shape, segment_bounds
+from kimi_helix.kernels.kda.common import (
+    check_kda_inputs,
+    check_shape,
+    gather_states,
+    scatter_states,
+    segment_bounds,
+)
 
 __all__ = ["kda_gate", "l2norm", "naive_recurrent_kda", "naive_chunk_kda"]
 
@@ -157,7 +163,11 @@ def naive_recurrent_kda(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
     return_intermediate_states: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA reference.
 
@@ -174,7 +184,12 @@ def naive_recurrent_kda(
         output_final_state: also return the state after the last token of each sequence.
         use_qk_l2norm_in_kernel: L2-normalise q and k (fla eps 1e-6, see :func:`l2norm`) before use.
         cu_seqlens: ``[N + 1]`` int32/int64 sequence boundaries of a packed ``B == 1`` input.
+        state_indices: ``[N]``: ``initial_state`` is then a state pool ``[slots, H, K, V]``; sequence i reads slot
+            ``state_indices[i]`` and, with ``output_final_state``, its final state is written back there in place
+            (the pool is returned).
         return_intermediate_states: return every per-token state instead of the final one.
+        A_log, dt_bias, lower_bound: when given, ``g`` is the raw gate pre-activation and the log-decay is
+            ``kda_gate(g, A_log, dt_bias, lower_bound)``.
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``; with
@@ -182,10 +197,21 @@ def naive_recurrent_kda(
         token in packed token order (for rolling back speculative decoding).
     """
     fn = partial(_recurrent_segment, keep_states=return_intermediate_states)
-    o, final, states = _run(fn, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    g = _log_decay(g, A_log, dt_bias, lower_bound)
+    state = gather_states(initial_state, state_indices)
+    o, final, states = _run(fn, q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if output_final_state and state_indices is not None:
+        final = scatter_states(initial_state, state_indices, final)
     if return_intermediate_states:
         return o, states
     return o, final if output_final_state else None
+
+
+def _log_decay(g, A_log, dt_bias, lower_bound):
+    """`g` itself, or the gate computed from the raw pre-activation when `A_log`/`dt_bias` are given."""
+    if (A_log is None) != (dt_bias is None) or (lower_bound is not None and A_log is None):
+        raise ValueError("A_log and dt_bias must be given together (lower_bound only with them)")
+    return g if A_log is None else kda_gate(g, A_log, dt_bias, lower_bound)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -239,6 +265,10 @@ def naive_chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked (WY / UT-transform) KDA reference; same arguments and results as :func:`naive_recurrent_kda`.
@@ -259,8 +289,8 @@ def naive_chunk_kda(
 
     Args:
         q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.  g: ``[B, T, H, K]`` log-decay.  beta: ``[B, T, H]``.
-        scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens: as in
-            :func:`naive_recurrent_kda`.
+        scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_indices, A_log,
+            dt_bias, lower_bound: as in :func:`naive_recurrent_kda`.
         chunk_size: tokens per chunk (64 in fla).
 
     Returns:
@@ -269,5 +299,9 @@ def naive_chunk_kda(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     fn = partial(_chunk_segment, chunk_size=chunk_size)
-    o, final, _ = _run(fn, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    g = _log_decay(g, A_log, dt_bias, lower_bound)
+    state = gather_states(initial_state, state_indices)
+    o, final, _ = _run(fn, q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens)
+    if output_final_state and state_indices is not None:
+        final = scatter_states(initial_state, state_indices, final)
     return o, final if output_final_state else None
