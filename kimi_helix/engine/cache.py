@@ -119,35 +119,47 @@ class CacheView:
         self.slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
         self._block_table: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
+        self._index: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._index_batch: ForwardBatch | None = None
 
-    def _page_index(self, blocks: SequenceBlocks, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        ps = self.cache.ledger.page_size
-        pos = torch.arange(start, end)
-        page = torch.tensor(blocks.pages, dtype=torch.long)[pos // ps]
-        return page.to(device), (pos % ps).to(device)
+    def _token_index(self, batch: ForwardBatch, device, whole_context: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of every new token (or of every context token), packed in batch order; built once per
+        step and shared by every MLA layer."""
+        if self._index_batch is not batch:  # a view may serve several passes (as the tests do); indices are per pass
+            self._index, self._index_batch = {}, batch
+        key = ("context" if whole_context else "new", str(device))
+        if key not in self._index:
+            ps, pages, offsets = self.cache.ledger.page_size, [], []
+            for blocks, start, n in zip(self.blocks, batch.context_lens, batch.seq_lens):
+                pos = torch.arange(0 if whole_context else start, start + n)
+                pages.append(torch.tensor(blocks.pages, dtype=torch.long)[pos // ps])
+                offsets.append(pos % ps)
+            self._index[key] = (torch.cat(pages).to(device), torch.cat(offsets).to(device))
+        return self._index[key]
 
     def write_latents(self, layer_idx: int, latent: torch.Tensor, batch: ForwardBatch) -> None:
         """Store new latents [T, D] (packed per `batch`) at each sequence's next positions; fp8 quantises here."""
         pages = self.cache.pages[layer_idx]
-        for blocks, new, start in zip(self.blocks, latent.split(batch.seq_lens), batch.context_lens):
-            page, offset = self._page_index(blocks, start, start + new.shape[0], pages.device)
-            if self.cache.fp8:
-                scale = new.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-                pages[page, offset] = (new.float() / scale[:, None]).to(FP8)
-                self.cache.scales[layer_idx][page, offset] = scale
-            else:
-                pages[page, offset] = new.to(pages.dtype)
+        page, offset = self._token_index(batch, pages.device, whole_context=False)
+        if self.cache.fp8:
+            scale = latent.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+            pages[page, offset] = (latent.float() / scale[:, None]).to(FP8)
+            self.cache.scales[layer_idx][page, offset] = scale
+        else:
+            pages[page, offset] = latent.to(pages.dtype)
+
+    def _read_packed(self, layer_idx: int, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
+        """Every sequence's whole context, packed: [sum L_i, D], dequantised to `dtype`."""
+        pages = self.cache.pages[layer_idx]
+        page, offset = self._token_index(batch, pages.device, whole_context=True)
+        ctx = pages[page, offset]
+        if self.cache.fp8:
+            ctx = ctx.float() * self.cache.scales[layer_idx][page, offset][:, None]
+        return ctx.to(dtype)
 
     def read_latents(self, layer_idx: int, batch: ForwardBatch, dtype: torch.dtype) -> list[torch.Tensor]:
         """Each sequence's whole context [L_i, D], dequantised to `dtype`."""
-        pages, out = self.cache.pages[layer_idx], []
-        for blocks, total in zip(self.blocks, batch.total_lens()):
-            page, offset = self._page_index(blocks, 0, total, pages.device)
-            ctx = pages[page, offset]
-            if self.cache.fp8:
-                ctx = ctx.float() * self.cache.scales[layer_idx][page, offset][:, None]
-            out.append(ctx.to(dtype))
-        return out
+        return list(self._read_packed(layer_idx, batch, dtype).split(batch.total_lens()))
 
     def block_table(self, device) -> torch.Tensor:
         """[N, max_pages] int32 page ids of the batch's sequences (rows padded with page 0, never read); built once
@@ -179,7 +191,7 @@ class CacheView:
                 backend=self.backend,
             )
             return unabsorb_output(out, w, nope, v_dim)
-        contexts = torch.cat(self.read_latents(module.layer_idx, batch, q.dtype))
+        contexts = self._read_packed(module.layer_idx, batch, q.dtype)
         kv = torch.nn.functional.linear(contexts[:, :r], w).view(contexts.shape[0], -1, nope + v_dim)
         k_pe = contexts[:, None, r:].expand(-1, kv.shape[1], -1)
         k = torch.cat([kv[..., :nope], k_pe], dim=-1)
