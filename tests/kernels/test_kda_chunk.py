@@ -148,11 +148,11 @@ def test_bad_arguments_raise():
 
 
 def test_bench_smoke(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kda_prefill.py"
-    spec = importlib.util.spec_from_file_location("bench_kda_prefill", path)
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kda.py"
+    spec = importlib.util.spec_from_file_location("bench_kda", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--smoke", "--out", str(tmp_path)])
+    bench.main(["--phase", "prefill", "--smoke", "--out", str(tmp_path)])
     rows = [json.loads(line) for line in (tmp_path / "kda_prefill.jsonl").read_text().splitlines()]
     assert rows and {"gpu", "date", "commit", "T", "H", "backend", "ms", "tflops"} <= rows[0].keys()
     assert {r["backend"] for r in rows} >= {"triton", "triton_gate"}

@@ -167,11 +167,11 @@ def test_bad_arguments_raise():
 
 
 def test_bench_smoke(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kda_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_kda_decode", path)
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kda.py"
+    spec = importlib.util.spec_from_file_location("bench_kda", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--smoke", "--sweep", "--out", str(tmp_path)])
+    bench.main(["--phase", "decode", "--smoke", "--sweep", "--out", str(tmp_path)])
     rows = [json.loads(line) for line in (tmp_path / "kda_decode.jsonl").read_text().splitlines()]
     assert rows and {"gpu", "date", "commit", "n", "ms", "tbps", "copy_tbps"} <= rows[0].keys()
     assert all(r["ms"] > 0 and r["tbps"] > 0 for r in rows)
@@ -215,3 +215,25 @@ def test_gpu_bf16_decode_and_verify(lower_bound):
     o_ref, states_ref = naive_recurrent_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
     assert_rel_close("verify o", o, o_ref, TOL[torch.bfloat16])
     assert_rel_close("verify states", states, states_ref, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_gpu_parity_with_fla(lower_bound):
+    """Against fla's fused_recurrent_kda (test extra): 64 sequences of 4 tokens, gate computed in both kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    Hr, Kr = 32, 128
+    q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(
+        64, 4, seed=12, dtype=torch.bfloat16, h=Hr, k=Kr, v=Kr, raw_gate=True
+    )
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = fused_recurrent_kda(q, k, v, f, beta, initial_state=s0.clone(), **gate, **kw)
+    # fla may update initial_state in place: hand it a copy
+    o_f, s_f = fla_kda.fused_recurrent_kda(
+        q, k, v, f, beta, initial_state=s0.clone(), use_gate_in_kernel=True, **gate, **kw
+    )
+    assert_rel_close("o vs fla", o, o_f, TOL[torch.bfloat16])
+    assert_rel_close("final_state vs fla", s, s_f.float(), TOL[torch.bfloat16])

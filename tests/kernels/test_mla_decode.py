@@ -131,6 +131,21 @@ def test_fp8_cache(nan_empty, dtype):
     assert_rel_close("ref vs dense", want_out.float(), dense_attention(args, dense)[0], TOL[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
+@pytest.mark.parametrize("slack", [0.0, 8.0])
+def test_rescale_schedules(nan_empty, monkeypatch, kv_dtype, slack):
+    # Sharp scores (q x 16) over 16-key tiles: row maxima grow on later tiles by more than fp16 can hold unrescaled
+    # (2^16), and by less than the slack on others.
+    for key in decode.SCHEDULES:
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, slack))
+    args, _ = make_case([200, 7, 96], [1, 2, 3], H=8, dtype=torch.float16, kv_dtype=kv_dtype, seed=11)
+    args["q"] = args["q"] * 16
+    out, lse = mla_decode_triton(**args, num_kv_splits=2)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out, want_out.float(), TOL[torch.float16])
+    assert_rel_close("lse", lse, want_lse, 1e-5)
+
+
 @pytest.mark.parametrize("splits", [None, 3])
 def test_kv_bounds_with_empty_queries(nan_empty, splits):
     lens = [20, 45]

@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SUPPORTED", "mla_decode_triton"]
+__all__ = ["SCHEDULES", "SUPPORTED", "Schedule", "mla_decode_triton"]
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,6 +40,14 @@ SUPPORTED = {
     "page_size": "any >= 1",
     "s_q": "any >= 0 per sequence",
 }
+
+
+@triton.jit
+def _raise_max(acc, l_i, m_i, m_tile):
+    """Move the running row max up to include m_tile, rescaling the accumulator and the sum of weights."""
+    m_new = tl.maximum(m_i, m_tile)
+    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+    return acc * alpha[:, None], l_i * alpha, m_new
 
 
 @triton.jit
@@ -74,6 +83,7 @@ def mla_decode_fwd_kernel(
     IS_FP8: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
     SPLIT: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr,
 ):
     # Head blocks vary fastest so the programs sharing a sequence's latents run together and share them in L2.
     pid = tl.program_id(0)
@@ -142,16 +152,21 @@ def mla_decode_fwd_kernel(
         else:
             s = s * qk_scale
         s = tl.where(n[None, :] < bound[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_tile = tl.max(s, axis=1)
+        if RESCALE_SLACK > 0:
+            # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of acc) until some row's max
+            # grows by more than the slack; p <= 2^slack meanwhile, far from overflowing bf16 or the fp32 sums.
+            grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)
+            if tl.max(grow, axis=0) > RESCALE_SLACK:
+                acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
+        else:
+            acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
         # Rows with no visible key so far keep m = -inf; offsetting by 0 instead keeps exp2 away from -inf - -inf.
-        m_off = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_off[:, None])
-        alpha = tl.exp2(m_i - m_off)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i += tl.sum(p, axis=1)
         if IS_FP8:
             p = p * key_scale[None, :]
-        acc = tl.dot(p.to(COMPUTE_DTYPE), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc = tl.dot(p.to(COMPUTE_DTYPE), c, acc, input_precision=DOT_PRECISION)
 
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -205,28 +220,50 @@ def _num_sms(device_index: int | None) -> int:
     return 132  # an H200's count, so the interpreter exercises the same split decisions
 
 
-def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int) -> int:
-    """Splits per sequence so that `work` programs x splits fill the SMs in whole waves.
+class Schedule(NamedTuple):
+    """How one tile class runs: keys per tile, warps, pipeline stages, and the lazy-rescale slack (log2 units;
+    0 rescales the accumulator whenever a row max grows)."""
 
-    FlashAttention's rule: wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms; take the smallest s
-    within 85% of the best, with at least 4 tiles per split (of the capacity `max_kv`) so each split's pipeline
-    still amortises its prologue and the merge stays small.
+    block_n: int
+    num_warps: int
+    num_stages: int
+    rescale_slack: float
+
+
+# By (KV element bytes, tile rows) for 16-bit compute; scripts/tune_mla_decode.py measures the candidates on a GPU.
+# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory.
+SCHEDULES = {
+    (2, 16): Schedule(128, 8, 3, 0.0),
+    (2, 32): Schedule(128, 8, 3, 0.0),
+    (2, 64): Schedule(64, 8, 3, 0.0),
+    (1, 16): Schedule(128, 8, 3, 0.0),
+    (1, 32): Schedule(128, 8, 3, 0.0),
+    (1, 64): Schedule(64, 8, 3, 0.0),
+}
+_FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
+# Programs per SM that the split count aims for: sequences of unequal length leave SMs idle at the end of the
+# last wave unless each SM gets several programs to balance over.
+MIN_WAVES = 1
+
+
+def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None) -> int:
+    """Splits per sequence so that `work` programs x splits fill the SMs.
+
+    At least `min_waves` programs per SM where the keys allow (each split keeps >= 4 tiles of the capacity
+    `max_kv`, so its pipeline amortises its prologue and the merge stays small); beyond that FlashAttention's rule:
+    wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within 85% of the best.
     """
+    min_waves = MIN_WAVES if min_waves is None else min_waves
     max_splits = max(1, min(64, max_kv // (4 * block_n)))
-    if work >= num_sms or max_splits == 1:
+    if work >= min_waves * num_sms or max_splits == 1:
         return 1
-    eff = [(work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(1, max_splits + 1)]
-    best = max(eff)
-    return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
+    lo = min(max_splits, max(1, math.ceil(min_waves * num_sms / work) if min_waves > 1 else 1))
+    eff = {s: (work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(lo, max_splits + 1)}
+    best = max(eff.values())
+    return next(s for s, e in eff.items() if e >= 0.85 * best)
 
 
-# (BLOCK_N, num_warps, num_stages) by tile rows for 16-bit compute, the best of a sweep on an H200 (bf16, D=576,
-# b=128, s_k=8192): rows=16 reached 2.96 TB/s at H=16 (2.0 with (64, 4, 2)), rows=32 1.92 TB/s at H=32, rows=64
-# 212 TFLOP/s at H=128 (136 with BLOCK_N=32). BLOCK_N=256 (or 128 at 64 rows) overflows shared memory.
-_SCHEDULE_16BIT = {16: (128, 8, 3), 32: (128, 8, 3), 64: (64, 8, 3)}
-
-
-def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype) -> dict:
+def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int) -> dict:
     """Tile shapes from shapes alone (no device reads).
 
     Rows = BLOCK_Q tokens x BLOCK_H heads <= 64: the fp32 [64, kv_lora_rank=512] accumulator alone takes 128
@@ -238,8 +275,11 @@ def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.
     mean_sq = -(-num_tokens // max(num_seqs, 1))
     block_q = min(triton.next_power_of_2(mean_sq), max(1, max_rows // block_h))
     block_q = max(block_q, 16 // block_h)
-    block_n, num_warps, num_stages = (32, 4, 1) if max_rows == 16 else _SCHEDULE_16BIT[block_q * block_h]
-    return dict(BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    sched = _FP32_SCHEDULE if max_rows == 16 else SCHEDULES[(min(kv_bytes, 2), block_q * block_h)]
+    return dict(
+        BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
+        num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack,
+    )  # fmt: skip
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
@@ -325,7 +365,7 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
-    cfg = _tiles(H, T, N, compute)
+    cfg = _tiles(H, T, N, compute, kv_cache.element_size())
     num_head_blocks = -(-H // cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(

@@ -1,0 +1,148 @@
+"""Sweep the MLA decode kernel's schedules (tile keys, warps, stages, lazy-rescale slack) and split targets on a GPU.
+
+    python scripts/tune_mla_decode.py --out $OUT            # the target cases of bench_mla.py, about 3 minutes
+    python scripts/tune_mla_decode.py --smoke               # two candidates on tiny shapes (CPU interpreter)
+
+For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
+bytes and tile rows) with MIN_WAVES=2, then the best three with MIN_WAVES in {1, 2, 4, 8}. Candidates are compiled
+first by a pool of worker processes (Triton's on-disk cache is shared), so the timing pass does not wait on the
+compiler. One JSON object per timing goes to <out>/tune_mla_decode.jsonl; the best per case is printed last, as
+the lines to put into kimi_helix/kernels/mla/decode.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing as mp
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import JsonlWriter, run_metadata  # noqa: E402
+from bench_mla import KV_LORA, ROPE, Cache  # noqa: E402
+
+from kimi_helix.kernels.mla import decode  # noqa: E402
+
+CASES = [  # (b, h, s_q, s_k, kv): the targets of bench_mla.py and the fp8 cases at both ends
+    (128, 16, 1, 8192, "bf16"),
+    (128, 32, 1, 8192, "bf16"),
+    (128, 128, 1, 8192, "bf16"),
+    (128, 16, 4, 8192, "bf16"),
+    (128, 32, 4, 8192, "bf16"),
+    (128, 16, 1, 8192, "fp8"),
+    (128, 128, 1, 8192, "fp8"),
+    (1, 16, 1, 32768, "bf16"),
+]
+SMOKE_CASES = [(2, 16, 1, 40, "fp16")]
+
+
+def candidates(rows: int, smoke: bool) -> list[decode.Schedule]:
+    if smoke:
+        return [decode.Schedule(32, 4, 1, 0.0), decode.Schedule(32, 4, 1, 8.0)]
+    block_ns = (32, 64) if rows == 64 else (64, 128)
+    stages = (2, 3) if rows == 64 else (2, 3, 4)
+    return [decode.Schedule(*c) for c in itertools.product(block_ns, (4, 8), stages, (0.0, 8.0))]
+
+
+def tile_key(case) -> tuple[int, int]:
+    b, h, s_q, _, kv = case
+    cfg = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2)
+    return (1 if kv == "fp8" else 2, cfg["BLOCK_Q"] * cfg["BLOCK_H"])
+
+
+def make_call(cache: Cache, b: int, h: int, s_q: int, device, dtype, splits: int | None = None):
+    T = b * s_q
+    q = torch.randn(T, h, KV_LORA + ROPE, device=device, dtype=dtype)
+    cu = torch.arange(0, T + 1, s_q, dtype=torch.int32, device=device)
+    tables = itertools.cycle(cache.tables)
+    return lambda: decode.mla_decode_triton(q, cache.kv, next(tables), cache.lens, cu, 192**-0.5, KV_LORA, None,
+                                            cache.scale, splits)  # fmt: skip
+
+
+def _compile(job) -> str | None:
+    """Worker: run one (case, schedule) once so that Triton compiles and caches it; returns an error or None."""
+    case, sched, smoke = job
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if smoke else torch.bfloat16
+    b, h, s_q, s_k, kv = case
+    decode.SCHEDULES[tile_key(case)] = sched
+    try:
+        cache = Cache(b, min(s_k, 256), kv, device, dtype)
+        for splits in (1, 3):  # both the single-pass and the split-KV variant of the kernel
+            make_call(cache, b, h, s_q, device, dtype, splits)()
+    except Exception as err:  # a schedule that does not fit is recorded, not fatal
+        return f"{type(err).__name__}: {str(err)[:200]}"
+    return None
+
+
+def time_ms(fn, device, smoke: bool) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    from bench_common import bench_ms
+
+    return bench_ms(fn, device, cpu_reps=1)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None, help="directory for tune_mla_decode.jsonl (none: no file)")
+    ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if args.smoke else torch.bfloat16
+    cases = SMOKE_CASES if args.smoke else CASES
+    jobs = [(c, s, args.smoke) for c in cases for s in candidates(tile_key(c)[1], args.smoke)]
+    if args.jobs > 1 and device.type == "cuda":
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            errors = dict(zip(((c, s) for c, s, _ in jobs), pool.map(_compile, jobs, chunksize=1)))
+    else:
+        errors = {(c, s): None for c, s, _ in jobs}
+
+    meta = run_metadata()
+    best = {}
+    path = None if args.out is None else Path(args.out) / "tune_mla_decode.jsonl"
+    with JsonlWriter(path) as results:
+        for case in cases:
+            b, h, s_q, s_k, kv = case
+            key = tile_key(case)
+            cache = Cache(b, s_k, kv, device, dtype)
+            timed = []
+            for sched, waves in [(s, 2) for s in candidates(key[1], args.smoke)] + [(None, w) for w in (1, 4, 8)]:
+                if sched is None:  # second pass: the best three schedules at other split targets
+                    tops = sorted(t for t in timed if t[2] == 2)[:3]
+                    runs = [(s, waves) for _, s, _ in tops]
+                else:
+                    runs = [(sched, waves)]
+                for s, w in runs:
+                    rec = dict(meta, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, key=list(key), schedule=list(s),
+                               min_waves=w, ms=None, error=errors.get((case, s)))  # fmt: skip
+                    if rec["error"] is None:
+                        decode.SCHEDULES[key], decode.MIN_WAVES = s, w
+                        try:
+                            call = make_call(cache, b, h, s_q, device, dtype)
+                            rec["ms"] = round(time_ms(call, device, args.smoke), 4)
+                            timed.append((rec["ms"], s, w))
+                        except Exception as err:
+                            rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    results.write(rec)
+            del cache
+            if timed:
+                best[case] = min(timed)
+    print("\nbest per case (ms, schedule, min_waves):")
+    for case, (ms, s, w) in best.items():
+        print(f"  {case}: {ms:.4f} ms  {s}  MIN_WAVES={w}")
+    return results.records
+
+
+if __name__ == "__main__":
+    main()
