@@ -74,7 +74,8 @@ def _compile(job) -> str | None:
     b, h, s_q, s_k, kv = case
     decode.SCHEDULES[tile_key(case)] = sched
     try:
-        cache = Cache(b, min(s_k, 256), kv, device, dtype)
+        # the case's own shapes: Triton specialises on strides (a block table of 160 pages is a multiple of 16)
+        cache = Cache(b, s_k, kv, device, dtype)
         for splits in (1, 3):  # both the single-pass and the split-KV variant of the kernel
             make_call(cache, b, h, s_q, device, dtype, splits)()
     except Exception as err:  # a schedule that does not fit is recorded, not fatal
@@ -96,11 +97,14 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None, help="directory for tune_mla_decode.jsonl (none: no file)")
+    ap.add_argument("--cases", nargs="+", help="only these cases, each as b,h,s_q,s_k,kv (default: CASES)")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     cases = SMOKE_CASES if args.smoke else CASES
+    if args.cases:
+        cases = [tuple(int(x) if x.isdigit() else x for x in c.split(",")) for c in args.cases]
     jobs = [(c, s, args.smoke) for c in cases for s in candidates(tile_key(c)[1], args.smoke)]
     if args.jobs > 1 and device.type == "cuda":
         with mp.get_context("spawn").Pool(args.jobs) as pool:

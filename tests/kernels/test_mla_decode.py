@@ -175,8 +175,13 @@ def test_split_kv_matches_unsplit(nan_empty):
 
 
 def test_num_kv_splits_heuristic():
-    assert decode._num_kv_splits(256, 8192, 64, 132) == 1  # more programs than SMs: no split
-    assert decode._num_kv_splits(32, 8192, 64, 132) == 4  # 128 programs: one near-full wave
+    # one program per SM: FlashAttention's wave rule
+    assert decode._num_kv_splits(256, 8192, 64, 132, min_waves=1) == 1  # more programs than SMs: no split
+    assert decode._num_kv_splits(32, 8192, 64, 132, min_waves=1) == 4  # 128 programs: one near-full wave
+    # the default aims at several programs per SM, so unequal lengths balance out
+    assert decode.MIN_WAVES > 1
+    assert decode._num_kv_splits(600, 8192, 64, 132) == 1
+    assert 128 * decode._num_kv_splits(128, 8192, 64, 132) >= decode.MIN_WAVES * 132
     assert decode._num_kv_splits(1, 128, 64, 132) == 1  # too short to split
     assert 32 <= decode._num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
 

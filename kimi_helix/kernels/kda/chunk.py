@@ -55,10 +55,18 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
     return dev(bounds), dev(pairs).reshape(-1, 2), dev(offsets)
 
 
-def _value_block(V: int) -> int:
-    """Value columns per state-kernel program. The state pass is sequential, so many narrow programs beat few wide
-    ones; 32 also keeps the fp32 state of K=128 rows in registers without spilling at 4 warps."""
-    return min(32, max(16, triton.next_power_of_2(V)))
+# Launch parameters of the chunk-parallel kernels, measured on an H200 by scripts/tune_kda_prefill.py. BKS and BS are
+# the column slices of the intra kernel's 16-row dots and of its chunk-wide w/u dots; BV the value columns per
+# program of the state and output kernels. The state pass is sequential over chunks, so narrow programs (many of
+# them) beat wide ones there.
+INTRA = dict(BKS=16, BS=32, num_warps=4, num_stages=3)
+STATE = dict(BV=32, num_warps=4, num_stages=3)
+OUTPUT = dict(BV=64, num_warps=4, num_stages=3)
+
+
+def _fit(block: int, dim: int) -> int:
+    """A launch block clamped to the power-of-two span of `dim` (and to 16, the smallest tl.dot tile)."""
+    return max(16, min(block, triton.next_power_of_2(dim)))
 
 
 def chunk_kda(
@@ -121,7 +129,7 @@ def chunk_kda(
 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = K**-0.5 if scale is None else scale
-    BK, BV_full = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    BK = max(16, triton.next_power_of_2(K))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
@@ -145,20 +153,23 @@ def chunk_kda(
         )  # fmt: skip
         kda_chunk_intra_kernel[(NT, H)](
             q, k, v, G, beta, w, u, kg, qg, Aqk, Ai, cu, chunk_indices, scale,
-            H=H, K=K, V=V, BT=chunk_size, BC=_BC, BKS=16, BS=32,
-            L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec, num_warps=4,
+            H=H, K=K, V=V, BT=chunk_size, BC=_BC, BKS=_fit(INTRA["BKS"], K), BS=_fit(INTRA["BS"], max(K, V)),
+            L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec, num_warps=INTRA["num_warps"],
+            num_stages=INTRA["num_stages"],
         )  # fmt: skip
-    BV = _value_block(V)
+    BV = _fit(STATE["BV"], V)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        USE_STATE_INDICES=state_indices is not None, DOT_PREC=dot_prec, num_warps=4,
+        USE_STATE_INDICES=state_indices is not None, DOT_PREC=dot_prec, num_warps=STATE["num_warps"],
+        num_stages=STATE["num_stages"],
     )  # fmt: skip
     if NT:
-        BVo = min(64, BV_full)
+        BVo = _fit(OUTPUT["BV"], V)
         kda_chunk_output_kernel[(triton.cdiv(V, BVo), NT, H)](
             qg, h, Aqk, v_new, o, cu, chunk_indices,
-            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=4,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=OUTPUT["num_warps"],
+            num_stages=OUTPUT["num_stages"],
         )  # fmt: skip
     return o, final_state

@@ -1,0 +1,121 @@
+"""Sweep the launch parameters of the Triton KDA prefill's chunk-parallel kernels on a GPU.
+
+    python scripts/tune_kda_prefill.py --out $OUT     # T=8192, H=64, K=V=128, bf16 (the target case)
+    python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
+
+One kernel at a time (intra, state, output) runs every candidate of its table while the others keep the settings
+in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call, as bench_kda.py calls it.
+Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is shared). One JSON object
+per timing goes to <out>/tune_kda_prefill.jsonl; the best per kernel is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing as mp
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before Triton's decorators run
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import JsonlWriter, bench_ms, run_metadata  # noqa: E402
+
+from kimi_helix.kernels.kda import chunk  # noqa: E402
+from kimi_helix.kernels.kda.naive import kda_gate  # noqa: E402
+
+
+def _grid(**axes) -> list[dict]:
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+CANDIDATES = {
+    "INTRA": _grid(BKS=[16, 32, 64, 128], BS=[32, 64], num_warps=[4, 8], num_stages=[1, 3]),
+    "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
+    "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
+}
+SMOKE_CANDIDATES = {
+    "INTRA": _grid(BKS=[16, 32], BS=[32], num_warps=[4], num_stages=[1]),
+    "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
+    "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
+}
+
+
+def make_call(T: int, H: int, D: int, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dt)
+
+    q, k, v, f = rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D)
+    beta = torch.sigmoid(rnd(1, T, H))
+    g = kda_gate(f, rnd(H, dt=torch.float32) * 0.5, rnd(H * D, dt=torch.float32) * 0.5 - 1.0)
+    return lambda: chunk.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+def _compile(job) -> str | None:
+    """Worker: run chunk_kda once with one kernel's candidate so that Triton compiles and caches it."""
+    table, cfg, shape = job
+    device = torch.device("cuda")
+    setattr(chunk, table, cfg)
+    try:
+        make_call(*shape, torch.bfloat16, device)()
+        torch.cuda.synchronize()
+    except Exception as err:  # a candidate that does not fit is recorded, not fatal
+        return f"{type(err).__name__}: {str(err)[:200]}"
+    return None
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None, help="directory for tune_kda_prefill.jsonl (none: no file)")
+    ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--tables", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, shape = (torch.float16, (40, 2, 16)) if args.smoke else (torch.bfloat16, (args.T, args.H, 128))
+    cands = SMOKE_CANDIDATES if args.smoke else CANDIDATES
+    jobs = [(t, c, shape) for t in args.tables for c in cands[t]]
+    errors = {}
+    if args.jobs > 1 and device.type == "cuda":
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            for (t, c, _), err in zip(jobs, pool.map(_compile, jobs, chunksize=1)):
+                errors[(t, str(c))] = err
+
+    defaults = {t: getattr(chunk, t) for t in cands}
+    call = make_call(*shape, dtype, device)
+    best = {}
+    path = None if args.out is None else Path(args.out) / "tune_kda_prefill.jsonl"
+    with JsonlWriter(path) as results:
+        for table in args.tables:
+            timed = []
+            for cfg in cands[table]:
+                rec = dict(run_metadata(), T=shape[0], H=shape[1], K=shape[2], table=table, config=cfg, ms=None,
+                           error=errors.get((table, str(cfg))))  # fmt: skip
+                if rec["error"] is None:
+                    setattr(chunk, table, cfg)
+                    try:
+                        rec["ms"] = round(bench_ms(call, device, cpu_reps=1), 4)
+                        timed.append((rec["ms"], str(cfg)))
+                    except Exception as err:
+                        rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    setattr(chunk, table, defaults[table])
+                results.write(rec)
+            if timed:
+                best[table] = min(timed)
+    print("\nbest per kernel (whole chunk_kda ms, others at their defaults):")
+    for table, (ms, cfg) in best.items():
+        print(f"  {table} = {cfg}  # {ms:.4f} ms (default {defaults[table]})")
+    return results.records
+
+
+if __name__ == "__main__":
+    main()
