@@ -1,12 +1,14 @@
 """Triton chunked KDA prefill: varlen, state pool, gate and L2 norm in the kernels.
 
-Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by four kernels over
+Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by six kernels over
 packed tokens (a plain batch is packed as ``B`` equal sequences):
 
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
-2. ``kda_chunk_intra_kernel``: per chunk, ``A_kk``/``A_qk``, ``(I + A)^-1``, ``w``, ``u`` and the decayed k, q;
-3. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
-4. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
+2. ``kda_chunk_intra_kernel``: per 16-row block of a chunk, ``A_qk``, ``A_kk`` and the inverse diagonal block;
+3. ``kda_chunk_solve_kernel``: per chunk, the rest of ``(I + A)^-1`` from those blocks;
+4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
+5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
+6. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
 
 Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
 carried state, which are fp32. All decays are exponentials of non-positive numbers as long as the log-decay ``g``
@@ -22,8 +24,9 @@ import torch
 import triton
 
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
-from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
+from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel, kda_chunk_solve_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
+from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.kda.common import (
     check_device,
     check_gate_args,
@@ -55,13 +58,16 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
     return dev(bounds), dev(pairs).reshape(-1, 2), dev(offsets)
 
 
-# Launch parameters of the chunk-parallel kernels, measured on an H200 by scripts/tune_kda_prefill.py. BKS and BS are
-# the column slices of the intra kernel's 16-row dots and of its chunk-wide w/u dots; BV the value columns per
-# program of the state and output kernels. The state pass is sequential over chunks, so narrow programs (many of
-# them) beat wide ones there.
-INTRA = dict(BKS=16, BS=32, num_warps=4, num_stages=3)
-STATE = dict(BV=32, num_warps=4, num_stages=3)
-OUTPUT = dict(BV=64, num_warps=4, num_stages=3)
+# Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
+# the column slice of the intra kernel's 16-row dots, BS that of the WY kernel's chunk-wide dots, BV the value
+# columns per program of the state and output kernels. The intra and WY kernels are latency-bound: their settings
+# keep registers low enough (ptxas, sm_90: about 80 and 100 a thread) for several programs per SM. The state pass is
+# sequential over chunks, so narrow programs (many of them) beat wide ones there.
+INTRA = dict(BKS=16, num_warps=4, num_stages=3)
+SOLVE = dict(num_warps=4, num_stages=1)
+WY = dict(BS=32, num_warps=8, num_stages=3)
+STATE = dict(BV=64, num_warps=8, num_stages=3)
+OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -151,11 +157,18 @@ def chunk_kda(
             g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
             H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
         )  # fmt: skip
-        kda_chunk_intra_kernel[(NT, H)](
-            q, k, v, G, beta, w, u, kg, qg, Aqk, Ai, cu, chunk_indices, scale,
-            H=H, K=K, V=V, BT=chunk_size, BC=_BC, BKS=_fit(INTRA["BKS"], K), BS=_fit(INTRA["BS"], max(K, V)),
-            L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec, num_warps=INTRA["num_warps"],
-            num_stages=INTRA["num_stages"],
+        kda_chunk_intra_kernel[(NT, H, chunk_size // _BC)](
+            q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale,
+            H=H, K=K, BT=chunk_size, BC=_BC, BKS=_fit(INTRA["BKS"], K), L2NORM=use_qk_l2norm_in_kernel,
+            DOT_PREC=dot_prec, num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"],
+        )  # fmt: skip
+        kda_chunk_solve_kernel[(NT, H)](
+            Ai, cu, chunk_indices, H=H, BT=chunk_size, BC=_BC, DOT_PREC=dot_prec, **SOLVE
+        )  # fmt: skip
+        kda_chunk_wy_kernel[(NT, H)](
+            q, k, v, G, beta, Ai, w, u, kg, qg, cu, chunk_indices, scale,
+            H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,
+            DOT_PREC=dot_prec, num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip
     BV = _fit(STATE["BV"], V)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](

@@ -1,17 +1,17 @@
-"""Chunk-local stages of the Triton KDA prefill: gate + cumulative decay, then the intra-chunk WY/UT transform.
+"""Chunk-local stages of the Triton KDA prefill: gate + cumulative decay, the intra-chunk A blocks, and the solve
+that turns them into ``(I + A)^-1``.
 
-Both kernels run one program per (chunk, head) over packed tokens (``cu_seqlens`` always given; a plain batch is
-packed by the caller). Log-decays are kept in log2 units (``G = cumsum(g) / ln 2``) so every decay is one
-``exp2``. A chunk of ``BT`` tokens is handled as ``NC = BT / 16`` sub-blocks of ``BC = 16`` rows:
+The kernels run over packed tokens (``cu_seqlens`` always given; a plain batch is packed by the caller). Log-decays
+are kept in log2 units (``G = cumsum(g) / ln 2``) so every decay is one ``exp2``. A chunk of ``BT`` tokens is handled
+as ``NC = BT / 16`` blocks of ``BC = 16`` rows, one intra program per row block:
 
 * off-diagonal blocks (rows i after columns j) factor ``exp(G_i - G_j) = exp(G_i - G_n) exp(G_n - G_j)`` around
   ``G_n``, the decay at the first row of block i, so both exponents are <= 0 and a tensor-core dot does the sum;
 * diagonal blocks factor around their middle row when the decay spread inside the block is small enough for both
   factors to stay finite (always, for moderate gates), else loop over their 16 columns with the exact pairwise
   ``exp(G_i - G_j)``; the test is made at run time per block, so any gate is safe;
-* ``(I + A)^-1`` is the inverse of each 16x16 diagonal block by forward substitution, merged block-wise, and
-  stored to an fp32 scratch; after a CTA barrier it is read back whole, and ``w``, ``u`` (and the decayed k, q)
-  come from ``[BT, BT] x [BT, 32]`` dots over the chunk.
+* the inverse of each 16x16 diagonal block comes by forward substitution in the intra program; the solve kernel
+  then merges the blocks below the diagonal, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads.
 
 The 16x16 dots run over K in slices of ``BKS`` columns, which keeps their replicated operands small in registers;
 the L2 norms of q and k are per-row scalars applied to the dot results.
@@ -197,41 +197,11 @@ def _neg_dot(a, b, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
-def _wy_outputs(q, k, v, G, beta, Ai, w, u, kg, qg, T, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BS: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
-    """Whole-chunk outputs from the stored Ai = (I + A)^-1, in column slices of BS:
-    w = Ai (beta exp(G) k), u = Ai (beta v), kg = exp(G_last - G) k, qg = scale exp(G) q (k, q normalised)."""
-    HK = H * K
-    o_t = tl.arange(0, BT)
-    m_t = o_t < T
-    m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
-    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
-    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    rq, rk = _row_norms(q, k, 0, T, H, K, BT, BS, L2NORM)
-    for c in range(0, K, BS):
-        b_g = _tile(G, 0, c, T, K, HK, BT, BS)
-        b_eg = tl.exp2(b_g)
-        b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
-        _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
-        _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
-        b_w = tl.dot(b_Ai, b_k * b_eg * b_b[:, None], input_precision=DOT_PREC)
-        _store_tile(w, b_w, 0, c, T, K, HK, BT, BS)
-    for c in range(0, V, BS):
-        b_u = tl.dot(b_Ai, _tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None], input_precision=DOT_PREC)
-        _store_tile(u, b_u, 0, c, T, V, H * V, BT, BS)
-
-
-@triton.jit
 def kda_chunk_intra_kernel(
     q,
     k,
-    v,
     G,
     beta,
-    w,
-    u,
-    kg,
-    qg,
     Aqk,
     Ai,
     cu_seqlens,
@@ -239,82 +209,86 @@ def kda_chunk_intra_kernel(
     scale,
     H: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     BKS: tl.constexpr,
-    BS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    """One 16-row block i of one chunk and head: the A_qk blocks of the row (stored to Aqk), the beta-scaled A_kk
+    blocks left of the diagonal (stored to the Ai scratch for the solve kernel) and the inverse of the diagonal
+    block, (I + A_ii)^-1, stored in its place. One program per row block keeps few tiles live, so many programs
+    share an SM."""
+    i_c, i_h, i_i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     # pointers start at the chunk, so row indices are chunk-relative and offsets small; T = valid rows of the chunk
     t0 = bos + i_t * BT
     T = tl.minimum(eos - t0, BT).to(tl.int32)
+    r0 = i_i * BC
+    if r0 >= T:
+        return  # a block wholly past the sequence end: its readers mask it
     q += t0 * (H * K) + i_h * K
     k += t0 * (H * K) + i_h * K
     G += t0 * (H * K) + i_h * K
-    w += t0 * (H * K) + i_h * K
-    kg += t0 * (H * K) + i_h * K
-    qg += t0 * (H * K) + i_h * K
-    v += t0 * (H * V) + i_h * V
-    u += t0 * (H * V) + i_h * V
     beta += t0 * H + i_h
     Aqk += t0 * (H * BT) + i_h * BT
     Ai += t0 * (H * BT) + i_h * BT
 
-    r0 = 0
-    # Row block by row block (BT / BC of them, unrolled): the A blocks of the row and the inverse blocks
-    # Ai = (I + A)^-1 of the row (Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj), stored to the Ai scratch.
-    # Only the blocks on or below the diagonal of Aqk and Ai are written; their readers mask the rest.
-    m0, rq0, rk0, bb0 = _block_rows(q, k, beta, r0, T, H, K, BC, BKS, L2NORM)
-    A00 = _diag_block(q, k, G, Aqk, r0, m0, rq0, rk0, bb0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-    Ai00 = _unit_lower_inverse(A00, BC)
-    _store_tile(Ai, Ai00, r0, r0, T, BT, H * BT, BC, BC)
+    m, rq, rk, b_b = _block_rows(q, k, beta, r0, T, H, K, BC, BKS, L2NORM)
+    for j in range(0, i_i):
+        rj0 = j * BC
+        _, rk_j = _row_norms(q, k, rj0, T, H, K, BC, BKS, L2NORM)
+        A_ij = _offdiag_block(q, k, G, Aqk, r0, rj0, m, rq, rk, b_b, rk_j, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        _store_tile(Ai, A_ij, r0, rj0, T, BT, H * BT, BC, BC)
+    A_ii = _diag_block(q, k, G, Aqk, r0, m, rq, rk, b_b, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+    _store_tile(Ai, _unit_lower_inverse(A_ii, BC), r0, r0, T, BT, H * BT, BC, BC)
 
+
+@triton.jit
+def kda_chunk_solve_kernel(
+    Ai,
+    cu_seqlens,
+    chunk_indices,
+    H: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Completes Ai = (I + A)^-1 of one chunk in place: given the inverted diagonal blocks and the A blocks below
+    them, each block below the diagonal becomes Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Only blocks on or below the
+    diagonal exist; the readers mask the rest."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    Ai += t0 * (H * BT) + i_h * BT
+    S = H * BT
     if BT > BC:
-        r1 = r0 + BC
-        m1, rq1, rk1, bb1 = _block_rows(q, k, beta, r1, T, H, K, BC, BKS, L2NORM)
-        A10 = _offdiag_block(q, k, G, Aqk, r1, r0, m1, rq1, rk1, bb1, rk0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        A11 = _diag_block(q, k, G, Aqk, r1, m1, rq1, rk1, bb1, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        Ai11 = _unit_lower_inverse(A11, BC)
-        _store_tile(Ai, Ai11, r1, r1, T, BT, H * BT, BC, BC)
-        Ai10 = _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
-        _store_tile(Ai, Ai10, r1, r0, T, BT, H * BT, BC, BC)
-
+        Ai00 = _tile(Ai, 0, 0, T, BT, S, BC, BC)
+        Ai11 = _tile(Ai, BC, BC, T, BT, S, BC, BC)
+        Ai10 = _neg_dot(Ai11, tl.dot(_tile(Ai, BC, 0, T, BT, S, BC, BC), Ai00, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
-        r2 = r0 + 2 * BC
-        m2, rq2, rk2, bb2 = _block_rows(q, k, beta, r2, T, H, K, BC, BKS, L2NORM)
-        A20 = _offdiag_block(q, k, G, Aqk, r2, r0, m2, rq2, rk2, bb2, rk0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        A21 = _offdiag_block(q, k, G, Aqk, r2, r1, m2, rq2, rk2, bb2, rk1, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        A22 = _diag_block(q, k, G, Aqk, r2, m2, rq2, rk2, bb2, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        Ai22 = _unit_lower_inverse(A22, BC)
-        _store_tile(Ai, Ai22, r2, r2, T, BT, H * BT, BC, BC)
+        A20 = _tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
+        A21 = _tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
+        Ai22 = _tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
         Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
-        _store_tile(Ai, Ai21, r2, r1, T, BT, H * BT, BC, BC)
         b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
         Ai20 = _neg_dot(Ai22, b_s, DOT_PREC)
-        _store_tile(Ai, Ai20, r2, r0, T, BT, H * BT, BC, BC)
+        _store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
 
-        r3 = r0 + 3 * BC
-        m3, rq3, rk3, bb3 = _block_rows(q, k, beta, r3, T, H, K, BC, BKS, L2NORM)
-        A30 = _offdiag_block(q, k, G, Aqk, r3, r0, m3, rq3, rk3, bb3, rk0, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        A31 = _offdiag_block(q, k, G, Aqk, r3, r1, m3, rq3, rk3, bb3, rk1, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        A32 = _offdiag_block(q, k, G, Aqk, r3, r2, m3, rq3, rk3, bb3, rk2, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        A33 = _diag_block(q, k, G, Aqk, r3, m3, rq3, rk3, bb3, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        Ai33 = _unit_lower_inverse(A33, BC)
-        _store_tile(Ai, Ai33, r3, r3, T, BT, H * BT, BC, BC)
+        A30 = _tile(Ai, 3 * BC, 0, T, BT, S, BC, BC)
+        A31 = _tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
+        A32 = _tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
+        Ai33 = _tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
         Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
-        _store_tile(Ai, Ai32, r3, r2, T, BT, H * BT, BC, BC)
         b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
         Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
-        _store_tile(Ai, Ai31, r3, r1, T, BT, H * BT, BC, BC)
         b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
         Ai30 = _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC)
-        _store_tile(Ai, Ai30, r3, r0, T, BT, H * BT, BC, BC)
-
-    # every Ai block is stored: read them back as one [BT, BT] tile for the chunk-wide w and u
-    tl.debug_barrier()
-    _wy_outputs(q, k, v, G, beta, Ai, w, u, kg, qg, T, scale, H, K, V, BT, BS, L2NORM, DOT_PREC)
+        _store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai30, 3 * BC, 0, T, BT, S, BC, BC)

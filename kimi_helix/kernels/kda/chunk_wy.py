@@ -1,0 +1,75 @@
+"""WY stage of the Triton KDA prefill: the chunk-wide products of the inverse from the intra and solve kernels.
+
+Per chunk and head, with ``Ai = (I + A)^-1`` (fp32 scratch) and k, q L2-normalised in the kernel::
+
+    w  = Ai (beta exp(G) k)        u  = Ai (beta v)
+    kg = exp(G_last - G) k         qg = scale exp(G) q
+
+computed in column slices of ``BS`` so that only ``[BT, BS]`` tiles and the ``[BT, BT]`` inverse are live.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kimi_helix.kernels.kda.chunk_intra import _row, _row_norms, _store_tile, _tile
+
+
+@triton.jit
+def kda_chunk_wy_kernel(
+    q,
+    k,
+    v,
+    G,
+    beta,
+    Ai,
+    w,
+    u,
+    kg,
+    qg,
+    cu_seqlens,
+    chunk_indices,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # pointers start at the chunk, so offsets inside it are small
+    t0 = bos + i_t * BT
+    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    q += t0 * (H * K) + i_h * K
+    k += t0 * (H * K) + i_h * K
+    G += t0 * (H * K) + i_h * K
+    w += t0 * (H * K) + i_h * K
+    kg += t0 * (H * K) + i_h * K
+    qg += t0 * (H * K) + i_h * K
+    v += t0 * (H * V) + i_h * V
+    u += t0 * (H * V) + i_h * V
+    beta += t0 * H + i_h
+    Ai += t0 * (H * BT) + i_h * BT
+    HK = H * K
+    o_t = tl.arange(0, BT)
+    m_t = o_t < T
+    m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
+    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    rq, rk = _row_norms(q, k, 0, T, H, K, BT, BS, L2NORM)
+    for c in range(0, K, BS):
+        b_g = _tile(G, 0, c, T, K, HK, BT, BS)
+        b_eg = tl.exp2(b_g)
+        b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
+        _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
+        _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
+        b_w = tl.dot(b_Ai, b_k * b_eg * b_b[:, None], input_precision=DOT_PREC)
+        _store_tile(w, b_w, 0, c, T, K, HK, BT, BS)
+    for c in range(0, V, BS):
+        b_u = tl.dot(b_Ai, _tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None], input_precision=DOT_PREC)
+        _store_tile(u, b_u, 0, c, T, V, H * V, BT, BS)
