@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device-machine session: the `gpu`-marked tests (bf16 at real shapes), then the benchmarks, each under its
-# own time limit so one slow step cannot eat the call. Logs and JSONL land in $OUT (default ./out).
+# Device-machine steps: the `gpu`-marked tests (bf16 at real shapes) and the benchmarks, each under its own time
+# limit so one slow step cannot eat the call. Logs and JSONL land in $OUT (default ./out). One mode fits one
+# 10-minute device call: `tests kda` in one, `mla` in the next.
 #
-#   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh [tests|bench|all] [pytest args...]
+#   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|all [pytest args...]
 #
 # The device machine has no .git: pass the commit of the tree you send so the JSONL records it.
 set -uo pipefail
@@ -20,13 +21,13 @@ if [ "$mode" = tests ] || [ "$mode" = all ]; then
         > "$out/gpu_check.log" 2>&1
     echo "pytest rc=$?" | tee -a "$out/gpu_check.log"
 fi
-if [ "$mode" = bench ] || [ "$mode" = all ]; then
-    log="$out/bench.log"
-    step() { local limit=$1; shift; timeout "$limit" python3 "$@" >> "$log" 2>&1; echo "$* rc=$?" >> "$log"; }
-    step 60 scripts/bench_kda_prefill.py --out "$out" --T 8192 --H 64
-    step 60 scripts/bench_kda_decode.py --out "$out"
-    step 120 scripts/bench_mla.py --out "$out" --quick
-    step 60 scripts/bench_moe.py --out "$out" --tokens 1 16 128 4096
-    step 60 scripts/bench_mla_prefill.py --out "$out/mla_prefill.jsonl" --heads 32 64
-    grep " rc=" "$log"
+log="$out/bench.log"
+step() { local limit=$1; shift; timeout "$limit" python3 "$@" >> "$log" 2>&1; echo "$* rc=$?" | tee -a "$log"; }
+if [ "$mode" = kda ] || [ "$mode" = all ]; then
+    step 150 scripts/bench_kda.py --out "$out" --phase prefill --breakdown
+    step 40 scripts/bench_kda.py --out "$out" --phase decode
+fi
+if [ "$mode" = mla ] || [ "$mode" = all ]; then
+    step 300 scripts/bench_mla.py --out "$out"
+    step 70 scripts/bench_moe.py --out "$out" --tokens 1 16 128 4096
 fi

@@ -61,9 +61,9 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
 # the column slice of the intra kernel's 16-row dots, BS that of the WY kernel's chunk-wide dots, BV the value
 # columns per program of the state and output kernels. The intra and WY kernels are latency-bound: their settings
-# keep registers low enough (ptxas, sm_90: about 80 and 100 a thread) for several programs per SM. The state pass is
+# keep registers low enough (ptxas, sm_90: about 130 and 100 a thread) for several programs per SM. The state pass is
 # sequential over chunks, so narrow programs (many of them) beat wide ones there.
-INTRA = dict(BKS=16, num_warps=4, num_stages=3)
+INTRA = dict(BKS=16, num_warps=4, num_stages=1)
 SOLVE = dict(num_warps=4, num_stages=1)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
