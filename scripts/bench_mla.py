@@ -129,7 +129,7 @@ def main(argv=None) -> list[dict]:
     # Appended case by case: a killed run keeps what it measured.
     with JsonlWriter(Path(args.out) / "mla_decode.jsonl", echo=sys.stderr) as results:
         # Grouped by cache shape so each large cache is built once.
-        for (b, h, s_q, s_k, kv), backend in sorted(runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1])):
+        for (b, h, s_q, s_k, kv), backend in sorted(runs, key=lambda r: (-r[0][0], r[0][3], r[0][4], r[1])):
             rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, ms=None, tbps=None, tflops=None)
             try:
                 if cache_key != (b, s_k, kv):

@@ -63,7 +63,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # columns per program of the state and output kernels. The intra and WY kernels are latency-bound: their settings
 # keep registers low enough (ptxas, sm_90: about 130 and 100 a thread) for several programs per SM. The state pass is
 # sequential over chunks, so narrow programs (many of them) beat wide ones there.
-INTRA = dict(BKS=16, num_warps=4, num_stages=1)
+INTRA = dict(BKS=16, num_warps=2, num_stages=3)
 SOLVE = dict(num_warps=4, num_stages=1)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)

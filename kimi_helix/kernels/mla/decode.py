@@ -238,8 +238,8 @@ SCHEDULES = {
     (2, 16): Schedule(128, 8, 2, 0.0),
     (2, 32): Schedule(64, 4, 2, 8.0),
     (2, 64): Schedule(64, 8, 3, 0.0),
-    (1, 16): Schedule(128, 8, 3, 0.0),
-    (1, 32): Schedule(128, 8, 3, 0.0),
+    (1, 16): Schedule(64, 8, 2, 0.0),
+    (1, 32): Schedule(64, 8, 2, 0.0),
     (1, 64): Schedule(64, 8, 3, 0.0),
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
