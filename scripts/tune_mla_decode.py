@@ -4,10 +4,11 @@
     python scripts/tune_mla_decode.py --smoke               # two candidates on tiny shapes (CPU interpreter)
 
 For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
-bytes and tile rows) with MIN_WAVES=2, then the best three with MIN_WAVES in {1, 2, 4, 8}. Candidates are compiled
-first by a pool of worker processes (Triton's on-disk cache is shared), so the timing pass does not wait on the
-compiler. One JSON object per timing goes to <out>/tune_mla_decode.jsonl; the best per case is printed last, as
-the lines to put into kimi_helix/kernels/mla/decode.py.
+bytes and tile rows), and the committed one, with MIN_WAVES=2; then the best three and the committed one with
+MIN_WAVES in {1, 4, 8}. Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is
+shared), so the timing pass does not wait on the compiler. One JSON object per timing goes to
+<out>/tune_mla_decode.jsonl; the best per case is printed last, as the lines to put into
+kimi_helix/kernels/mla/decode.py.
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ CASES = [  # (b, h, s_q, s_k, kv): the targets of bench_mla.py and the fp8 cases
 SMOKE_CASES = [(2, 16, 1, 40, "fp16")]
 
 
+DEFAULTS = dict(decode.SCHEDULES)  # the committed schedules, before the sweep overrides them
+
+
 def candidates(rows: int, smoke: bool) -> list[decode.Schedule]:
     if smoke:
         return [decode.Schedule(32, 4, 1, 0.0), decode.Schedule(32, 4, 1, 8.0)]
     block_ns = (32, 64) if rows == 64 else (64, 128)
     stages = (2, 3) if rows == 64 else (2, 3, 4)
     return [decode.Schedule(*c) for c in itertools.product(block_ns, (4, 8), stages, (0.0, 8.0))]
+
+
+def sweep(case, smoke: bool) -> list[decode.Schedule]:
+    """The candidates of the case's tile class and the committed schedule, each once."""
+    key = tile_key(case)
+    return list(dict.fromkeys([*candidates(key[1], smoke), DEFAULTS[key]]))
 
 
 def tile_key(case) -> tuple[int, int]:
@@ -105,7 +115,7 @@ def main(argv=None) -> list[dict]:
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
         cases = [tuple(int(x) if x.isdigit() else x for x in c.split(",")) for c in args.cases]
-    jobs = [(c, s, args.smoke) for c in cases for s in candidates(tile_key(c)[1], args.smoke)]
+    jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke)]
     if args.jobs > 1 and device.type == "cuda":
         with mp.get_context("spawn").Pool(args.jobs) as pool:
             errors = dict(zip(((c, s) for c, s, _ in jobs), pool.map(_compile, jobs, chunksize=1)))
@@ -121,16 +131,18 @@ def main(argv=None) -> list[dict]:
             key = tile_key(case)
             cache = Cache(b, s_k, kv, device, dtype)
             timed = []
-            for sched, waves in [(s, 2) for s in candidates(key[1], args.smoke)] + [(None, w) for w in (1, 4, 8)]:
+            for sched, waves in [(s, 2) for s in sweep(case, args.smoke)] + [(None, w) for w in (1, 4, 8)]:
                 if sched is None:  # second pass: the best three schedules at other split targets
-                    tops = sorted(t for t in timed if t[2] == 2)[:3]
-                    runs = [(s, waves) for _, s, _ in tops]
+                    tops = [s for _, s, _ in sorted(t for t in timed if t[2] == 2)[:3]]
+                    # the committed schedule too, so that a sweep never loses to a setting it did not time
+                    runs = [(s, waves) for s in dict.fromkeys([*tops, DEFAULTS[key]])]
                 else:
                     runs = [(sched, waves)]
                 for s, w in runs:
                     rec = dict(meta, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, key=list(key), schedule=list(s),
                                min_waves=w, ms=None, error=errors.get((case, s)))  # fmt: skip
                     if rec["error"] is None:
+                        committed_waves = decode.MIN_WAVES
                         decode.SCHEDULES[key], decode.MIN_WAVES = s, w
                         try:
                             call = make_call(cache, b, h, s_q, device, dtype)
@@ -138,6 +150,8 @@ def main(argv=None) -> list[dict]:
                             timed.append((rec["ms"], s, w))
                         except Exception as err:
                             rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        finally:  # the module leaves the sweep as it entered it
+                            decode.SCHEDULES[key], decode.MIN_WAVES = DEFAULTS[key], committed_waves
                     results.write(rec)
             del cache
             if timed:

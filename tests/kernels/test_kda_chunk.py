@@ -158,6 +158,21 @@ def test_bench_smoke(tmp_path):
     assert {r["backend"] for r in rows} >= {"triton", "triton_gate"}
 
 
+def test_tune_smoke(tmp_path):
+    from kimi_helix.kernels.kda import chunk
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_kda_prefill.py"
+    spec = importlib.util.spec_from_file_location("tune_kda_prefill", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    committed = {t: getattr(chunk, t) for t in tune.CANDIDATES}
+    tune.main(["--smoke", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
+    assert rows and all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    assert {r["table"] for r in rows} == set(tune.CANDIDATES)
+    assert {t: getattr(chunk, t) for t in tune.CANDIDATES} == committed  # settings restored
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: bf16 at Kimi-Linear shapes against the fp32 torch reference, and against fla when it is installed
 

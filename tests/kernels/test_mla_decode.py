@@ -219,6 +219,25 @@ def test_bench_smoke(tmp_path):
     )
 
 
+def test_tune_smoke(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    try:
+        import tune_mla_decode
+    finally:
+        sys.path.pop(0)
+    committed = dict(decode.SCHEDULES), decode.MIN_WAVES
+    tune_mla_decode.main(["--smoke", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "tune_mla_decode.jsonl").read_text().splitlines()]
+    assert rows and all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    assert {r["min_waves"] for r in rows} == {1, 2, 4, 8}
+    # the sweep times the committed schedule too, and leaves the module as it found it
+    assert [*tune_mla_decode.DEFAULTS[tuple(rows[0]["key"])]] in [r["schedule"] for r in rows]
+    assert (dict(decode.SCHEDULES), decode.MIN_WAVES) == committed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
