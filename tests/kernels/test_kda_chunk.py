@@ -1,5 +1,6 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
-fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong gates; bf16
+fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong gates, both
+intra paths; bf16
 at real shapes and fla parity on the GPU; plus the prefill benchmark's smoke run."""
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, d
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
+@pytest.fixture(params=[False, True], ids=["pairwise", "row_sweep"])
+def intra_path(request, monkeypatch):
+    """Both ways the intra kernel can build a chunk's A blocks (chunk.INTRA["row_sweep"])."""
+    from kimi_helix.kernels.kda import chunk
+
+    monkeypatch.setitem(chunk.INTRA, "row_sweep", request.param)
+
+
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])
+@pytest.mark.usefixtures("intra_path")
 def test_matches_references(T):
     q, k, v, g, beta, s0, _, _ = make_inputs(2, T, seed=T)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -39,6 +49,7 @@ def test_matches_references(T):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("chunk_size", [32, 64])
+@pytest.mark.usefixtures("intra_path")
 def test_large_chunks(chunk_size, dtype):
     """The production tiles: 2 and 4 sub-blocks per chunk, a partial last chunk."""
     q, k, v, g, beta, s0, _, _ = make_inputs(1, 70, seed=chunk_size, dtype=dtype, h=1)
@@ -58,6 +69,7 @@ def test_no_l2norm_custom_scale_no_state():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.usefixtures("intra_path")
 def test_varlen_equals_per_sequence(dtype):
     q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=7, dtype=dtype, n_states=len(LENS))
     cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
@@ -101,6 +113,7 @@ def test_state_pool_in_place(output_final_state):
 @pytest.mark.parametrize(
     "lower_bound, chunk_size", [(None, 16), (None, 64), (-5.0, 64), (-20.0, 16)], ids=["16", "64", "lb5-64", "lb20-16"]
 )
+@pytest.mark.usefixtures("intra_path")
 def test_gate_in_kernel(lower_bound, chunk_size):
     """Raw pre-activation in, log-decay computed in the kernel (lb=-20 sends most diagonal blocks to the exact loop)."""
     q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 40, seed=13, h=1, raw_gate=True)
@@ -113,6 +126,7 @@ def test_gate_in_kernel(lower_bound, chunk_size):
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.usefixtures("intra_path")
 def test_strong_gates_stay_finite(chunk_size):
     """Log-decays down to -80 per token on half the channels of tokens 16..31: that 16-row block takes the exact
     pairwise loop (its cumulative decays fall far below exp(-88)), the others the factored dot, in one chunk."""
@@ -194,6 +208,7 @@ def _real_inputs(T, seed, lower_bound=None, n_states=1):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate_in_kernel, lower_bound", [(False, None), (True, None), (True, -5.0)])
+@pytest.mark.usefixtures("intra_path")
 def test_gpu_bf16_real_shapes(gate_in_kernel, lower_bound):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -210,6 +225,7 @@ def test_gpu_bf16_real_shapes(gate_in_kernel, lower_bound):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("intra_path")
 def test_gpu_bf16_varlen_pool():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -228,6 +244,7 @@ def test_gpu_bf16_varlen_pool():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("intra_path")
 def test_gpu_parity_with_fla():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -63,9 +63,11 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # columns per program of the state and output kernels. The intra and WY kernels are latency-bound, so what counts
 # is programs in flight: the intra kernel does best as many 2-warp programs with prefetched slices (254 registers a
 # thread by ptxas for sm_90, four programs an SM; 2.33 ms for the whole prefill at T=8192, H=64 on an H200, against
-# 3.35 ms at 4 warps and 8 warps slower still). The state pass is sequential over chunks, so narrow programs (many
-# of them) beat wide ones there.
-INTRA = dict(BKS=16, num_warps=2, num_stages=3)
+# 3.35 ms at 4 warps and 8 warps slower still). `row_sweep` builds a row block's A blocks in one sweep over K
+# instead of one sweep per block pair (fewer dependent loads, more registers: 230 a thread at 4 warps); it passes
+# the same tests and has not been timed on a GPU yet. The state pass is sequential over chunks, so narrow programs
+# (many of them) beat wide ones there.
+INTRA = dict(BKS=16, num_warps=2, num_stages=3, row_sweep=False)
 SOLVE = dict(num_warps=4, num_stages=1)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
@@ -162,7 +164,8 @@ def chunk_kda(
         kda_chunk_intra_kernel[(NT, H, chunk_size // _BC)](
             q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale,
             H=H, K=K, BT=chunk_size, BC=_BC, BKS=_fit(INTRA["BKS"], K), L2NORM=use_qk_l2norm_in_kernel,
-            DOT_PREC=dot_prec, num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"],
+            DOT_PREC=dot_prec, ROW_SWEEP=INTRA["row_sweep"], num_warps=INTRA["num_warps"],
+            num_stages=INTRA["num_stages"],
         )  # fmt: skip
         kda_chunk_solve_kernel[(NT, H)](
             Ai, cu, chunk_indices, H=H, BT=chunk_size, BC=_BC, DOT_PREC=dot_prec, **SOLVE

@@ -137,11 +137,44 @@ def _offdiag_block(q, k, G, Aqk, ri0, rj0, m_i, rq_i, rk_i, b_bi, rk_j, T, scale
 
 
 @triton.jit
+def _diag_exact(q, k, G, r0, m, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):
+    """Unscaled A_kk and A_qk of the diagonal block at r0 with the exact pairwise decay exp(G_i - G_j), column by
+    column: the path for blocks whose decay spread is too wide to factor."""
+    HK = H * K
+    o_c = tl.arange(0, BC)
+    A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for j in range(BC):
+        # taken only for rows at or after j, where the exponent is <= 0
+        keep = (o_c >= j) & m
+        rj = tl.minimum(r0 + j, T - 1)
+        col_kk = tl.zeros([BC], dtype=tl.float32)
+        col_qk = tl.zeros([BC], dtype=tl.float32)
+        for c in range(0, K, BKS):
+            b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rj, c, HK, K, BKS)[None, :]
+            b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * _row(k, rj, c, HK, K, BKS)[None, :]
+            col_kk += tl.sum(_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            col_qk += tl.sum(_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+        A_kk = tl.where(o_c[None, :] == j, col_kk[:, None], A_kk)
+        A_qk = tl.where(o_c[None, :] == j, col_qk[:, None], A_qk)
+    return A_kk, A_qk
+
+
+@triton.jit
+def _diag_finish(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Scales and masks a diagonal block's unscaled dots: stores A_qk (lower, diagonal included), returns
+    beta * A_kk (strictly lower)."""
+    o_c = tl.arange(0, BC)
+    A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
+    _store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
+    return tl.where(o_c[:, None] > o_c[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
+
+
+@triton.jit
 def _diag_block(q, k, G, Aqk, r0, m, rq, rk, b_b, T, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                 BC: tl.constexpr, BKS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     """One 16-row diagonal block: stores A_qk (lower, diagonal included), returns beta * A_kk (strictly lower)."""
     HK = H * K
-    o_c = tl.arange(0, BC)
     # Factored around the middle row, both exponents are bounded by the decay spread inside the block: when that is
     # below MAX_SPREAD (log2 units) neither factor can overflow or vanish and one dot does the block; a block with a
     # stronger decay takes the exact pairwise loop.
@@ -161,22 +194,71 @@ def _diag_block(q, k, G, Aqk, r0, m, rq, rk, b_b, T, scale, H: tl.constexpr, K: 
             A_kk += tl.dot(b_k * e, b_kt, input_precision=DOT_PREC)
             A_qk += tl.dot(_tile(q, r0, c, T, K, HK, BC, BKS) * e, b_kt, input_precision=DOT_PREC)
     else:
-        for j in range(BC):
-            # exact pairwise decay, taken only for rows at or after j where the exponent is <= 0
-            keep = (o_c >= j) & m
-            rj = tl.minimum(r0 + j, T - 1)
-            col_kk = tl.zeros([BC], dtype=tl.float32)
-            col_qk = tl.zeros([BC], dtype=tl.float32)
-            for c in range(0, K, BKS):
-                b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rj, c, HK, K, BKS)[None, :]
-                b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * _row(k, rj, c, HK, K, BKS)[None, :]
-                col_kk += tl.sum(_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
-                col_qk += tl.sum(_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
-            A_kk = tl.where(o_c[None, :] == j, col_kk[:, None], A_kk)
-            A_qk = tl.where(o_c[None, :] == j, col_qk[:, None], A_qk)
-    A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
-    _store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
-    return tl.where(o_c[:, None] > o_c[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
+        A_kk, A_qk = _diag_exact(q, k, G, r0, m, T, H, K, BC, BKS)
+    return _diag_finish(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H, BT, BC)
+
+
+@triton.jit
+def _row_sweep(q, k, G, beta, Aqk, Ai, r0, T, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr, BKS: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """The row block at r0 in one sweep over K, each slice of its q, k and G loaded once: the A blocks against
+    every earlier row of the chunk at once ([BC, BT] dots around the block's first row, a decay pivot for every such
+    pair), the diagonal block around its middle row (the exact loop when its spread is too wide), and the L2 norms.
+    Stores what the pairwise path stores: A_qk, the beta-scaled A_kk left of the diagonal, the inverse diagonal
+    block."""
+    HK = H * K
+    o_i = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    o_s = tl.arange(0, BKS)
+    m = r0 + o_i < T
+    m_prev = o_t < r0  # the earlier rows of the chunk: the columns left of the diagonal block
+    rm = tl.minimum(r0 + BC // 2, T - 1)
+    acc_kk = tl.zeros([BC, BT], dtype=tl.float32)
+    acc_qk = tl.zeros([BC, BT], dtype=tl.float32)
+    d_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    d_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    sq = tl.zeros([BC], dtype=tl.float32)
+    sk = tl.zeros([BC], dtype=tl.float32)
+    sk_t = tl.zeros([BT], dtype=tl.float32)
+    spread = 0.0
+    for c in range(0, K, BKS):
+        g_i = _tile(G, r0, c, T, K, HK, BC, BKS)
+        b_k = _tile(k, r0, c, T, K, HK, BC, BKS)
+        b_q = _tile(q, r0, c, T, K, HK, BC, BKS)
+        m_t = m_prev[:, None] & (c + o_s < K)[None, :]
+        k_t = tl.load(k + o_t[:, None] * HK + c + o_s[None, :], mask=m_t, other=0.0).to(tl.float32)
+        g_t = tl.load(G + o_t[:, None] * HK + c + o_s[None, :], mask=m_t, other=0.0)
+        g_n = _row(G, r0, c, HK, K, BKS)
+        e_n = tl.exp2(tl.where(m[:, None], g_i - g_n[None, :], -float("inf")))
+        kt = tl.trans(k_t * tl.exp2(tl.where(m_prev[:, None], g_n[None, :] - g_t, -float("inf"))))
+        acc_kk += tl.dot(b_k * e_n, kt, input_precision=DOT_PREC)
+        acc_qk += tl.dot(b_q * e_n, kt, input_precision=DOT_PREC)
+        # the diagonal block; a spread beyond MAX_SPREAD may overflow here, and is recomputed exactly below
+        b_d = g_i - _row(G, rm, c, HK, K, BKS)[None, :]
+        spread = tl.maximum(spread, tl.max(tl.max(tl.where(m[:, None], tl.abs(b_d), 0.0), axis=1), axis=0))
+        e_m = tl.exp2(tl.where(m[:, None], b_d, -float("inf")))
+        kt_m = tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf"))))
+        d_kk += tl.dot(b_k * e_m, kt_m, input_precision=DOT_PREC)
+        d_qk += tl.dot(b_q * e_m, kt_m, input_precision=DOT_PREC)
+        sq += tl.sum(b_q * b_q, axis=1)
+        sk += tl.sum(b_k * b_k, axis=1)
+        sk_t += tl.sum(k_t * k_t, axis=1)
+    rq = tl.full([BC], 1.0, dtype=tl.float32)
+    rk = tl.full([BC], 1.0, dtype=tl.float32)
+    rk_t = tl.full([BT], 1.0, dtype=tl.float32)
+    if L2NORM:
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        rk_t = 1.0 / tl.sqrt(sk_t + 1e-6)
+    b_b = tl.load(beta + (r0 + o_i) * H, mask=m, other=0.0).to(tl.float32)
+    offs = (r0 + o_i)[:, None] * (H * BT) + o_t[None, :]
+    m_off = m[:, None] & m_prev[None, :]
+    tl.store(Aqk + offs, (acc_qk * (rq * scale)[:, None] * rk_t[None, :]).to(Aqk.dtype.element_ty), mask=m_off)
+    tl.store(Ai + offs, acc_kk * (rk * b_b)[:, None] * rk_t[None, :], mask=m_off)
+    if spread > MAX_SPREAD:
+        d_kk, d_qk = _diag_exact(q, k, G, r0, m, T, H, K, BC, BKS)
+    A_ii = _diag_finish(Aqk, d_kk, d_qk, r0, rq, rk, b_b, T, scale, H, BT, BC)
+    _store_tile(Ai, _unit_lower_inverse(A_ii, BC), r0, r0, T, BT, H * BT, BC, BC)
 
 
 @triton.jit
@@ -214,6 +296,7 @@ def kda_chunk_intra_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    ROW_SWEEP: tl.constexpr,
 ):
     """One 16-row block i of one chunk and head: the A_qk blocks of the row (stored to Aqk), the beta-scaled A_kk
     blocks left of the diagonal (stored to the Ai scratch for the solve kernel) and the inverse of the diagonal
@@ -235,14 +318,18 @@ def kda_chunk_intra_kernel(
     Aqk += t0 * (H * BT) + i_h * BT
     Ai += t0 * (H * BT) + i_h * BT
 
-    m, rq, rk, b_b = _block_rows(q, k, beta, r0, T, H, K, BC, BKS, L2NORM)
-    for j in range(0, i_i):
-        rj0 = j * BC
-        _, rk_j = _row_norms(q, k, rj0, T, H, K, BC, BKS, L2NORM)
-        A_ij = _offdiag_block(q, k, G, Aqk, r0, rj0, m, rq, rk, b_b, rk_j, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-        _store_tile(Ai, A_ij, r0, rj0, T, BT, H * BT, BC, BC)
-    A_ii = _diag_block(q, k, G, Aqk, r0, m, rq, rk, b_b, T, scale, H, K, BT, BC, BKS, DOT_PREC)
-    _store_tile(Ai, _unit_lower_inverse(A_ii, BC), r0, r0, T, BT, H * BT, BC, BC)
+    if ROW_SWEEP:
+        _row_sweep(q, k, G, beta, Aqk, Ai, r0, T, scale, H, K, BT, BC, BKS, L2NORM, DOT_PREC)
+    else:
+        # block pair by block pair, each its own sweep over K
+        m, rq, rk, b_b = _block_rows(q, k, beta, r0, T, H, K, BC, BKS, L2NORM)
+        for j in range(0, i_i):
+            rj0 = j * BC
+            _, rk_j = _row_norms(q, k, rj0, T, H, K, BC, BKS, L2NORM)
+            A_ij = _offdiag_block(q, k, G, Aqk, r0, rj0, m, rq, rk, b_b, rk_j, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+            _store_tile(Ai, A_ij, r0, rj0, T, BT, H * BT, BC, BC)
+        A_ii = _diag_block(q, k, G, Aqk, r0, m, rq, rk, b_b, T, scale, H, K, BT, BC, BKS, DOT_PREC)
+        _store_tile(Ai, _unit_lower_inverse(A_ii, BC), r0, r0, T, BT, H * BT, BC, BC)
 
 
 @triton.jit
