@@ -17,7 +17,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
     | tee -a "$out/gpu.txt"
 
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
-    timeout "${TEST_LIMIT:-240}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=15 "$@" tests \
+    timeout "${TEST_LIMIT:-290}" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --durations=15 "$@" tests \
         > "$out/gpu_check.log" 2>&1
     echo "pytest rc=$?" | tee -a "$out/gpu_check.log"
 fi
