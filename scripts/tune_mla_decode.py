@@ -27,7 +27,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import JsonlWriter, run_metadata  # noqa: E402
-from bench_mla import KV_LORA, ROPE, Cache  # noqa: E402
+from bench_mla import KV_DTYPES, KV_LORA, ROPE, Cache  # noqa: E402
 
 from kimi_helix.kernels.mla import decode  # noqa: E402
 
@@ -76,6 +76,16 @@ def make_call(cache: Cache, b: int, h: int, s_q: int, device, dtype, splits: int
                                             cache.scale, splits)  # fmt: skip
 
 
+def parse_case(text: str) -> tuple:
+    """ "b,h,s_q,s_k,kv" (e.g. "128,16,1,8192,bf16") as a case tuple; argparse reports a malformed one."""
+    *dims, kv = text.split(",")
+    if len(dims) != 4 or not all(d.isdigit() and int(d) > 0 for d in dims) or kv not in KV_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not b,h,s_q,s_k,kv with four positive integers and kv in {sorted(KV_DTYPES)}"
+        )
+    return (*map(int, dims), kv)
+
+
 def _compile(job) -> str | None:
     """Worker: run one (case, schedule) once so that Triton compiles and caches it; returns an error or None."""
     case, sched, smoke = job
@@ -107,14 +117,14 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None, help="directory for tune_mla_decode.jsonl (none: no file)")
-    ap.add_argument("--cases", nargs="+", help="only these cases, each as b,h,s_q,s_k,kv (default: CASES)")
+    ap.add_argument("--cases", nargs="+", type=parse_case, help="only these cases, each as b,h,s_q,s_k,kv")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
-        cases = [tuple(int(x) if x.isdigit() else x for x in c.split(",")) for c in args.cases]
+        cases = args.cases
     jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke)]
     if args.jobs > 1 and device.type == "cuda":
         with mp.get_context("spawn").Pool(args.jobs) as pool:

@@ -238,6 +238,21 @@ def test_tune_smoke(tmp_path):
     assert (dict(decode.SCHEDULES), decode.MIN_WAVES) == committed
 
 
+def test_tune_cases_are_checked():
+    import argparse
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    try:
+        import tune_mla_decode
+    finally:
+        sys.path.pop(0)
+    assert tune_mla_decode.parse_case("128,16,4,8192,fp8") == (128, 16, 4, 8192, "fp8")
+    for bad in ("128,16", "128,16,1,8192,int8", "128,0,1,8192,bf16", "a,16,1,8192,bf16"):
+        with pytest.raises(argparse.ArgumentTypeError, match="b,h,s_q,s_k,kv"):
+            tune_mla_decode.parse_case(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
