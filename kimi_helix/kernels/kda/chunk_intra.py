@@ -27,6 +27,15 @@ MAX_SPREAD = tl.constexpr(96.0)
 
 
 @triton.jit
+def _chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
+    """(t0, T) of chunk i_c: its first packed token (int64) and its number of valid rows (int32, <= BT)."""
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
+
+
+@triton.jit
 def kda_chunk_gate_kernel(
     g,
     G,
@@ -43,11 +52,9 @@ def kda_chunk_gate_kernel(
     LOWER_BOUND: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so offsets inside it are small
-    base = (bos + i_t * BT) * (H * K) + i_h * K
-    T = tl.minimum(eos - bos - i_t * BT, BT).to(tl.int32)
+    base = t0 * (H * K) + i_h * K
     x = _tile(g + base, 0, 0, T, K, H * K, BT, BK)
     if GATE:
         o_k = tl.arange(0, BK)
@@ -303,11 +310,8 @@ def kda_chunk_intra_kernel(
     block, (I + A_ii)^-1, stored in its place. One program per row block keeps few tiles live, so many programs
     share an SM."""
     i_c, i_h, i_i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     # pointers start at the chunk, so row indices are chunk-relative and offsets small; T = valid rows of the chunk
-    t0 = bos + i_t * BT
-    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     r0 = i_i * BC
     if r0 >= T:
         return  # a block wholly past the sequence end: its readers mask it
@@ -346,10 +350,7 @@ def kda_chunk_solve_kernel(
     them, each block below the diagonal becomes Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Only blocks on or below the
     diagonal exist; the readers mask the rest."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     Ai += t0 * (H * BT) + i_h * BT
     S = H * BT
     if BT > BC:

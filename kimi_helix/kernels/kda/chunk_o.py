@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.kda.chunk_intra import _chunk_span
+
 
 @triton.jit
 def kda_chunk_output_kernel(
@@ -28,11 +30,8 @@ def kda_chunk_output_kernel(
     DOT_PREC: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     # pointers start at the chunk, so in-chunk offsets stay small
-    t0 = bos + i_t * BT
-    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     qg += t0 * (H * K) + i_h * K
     Aqk += t0 * (H * BT) + i_h * BT
     v_new += t0 * (H * V) + i_h * V

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import _row, _row_norms, _store_tile, _tile
+from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _row, _row_norms, _store_tile, _tile
 
 
 @triton.jit
@@ -40,11 +40,8 @@ def kda_chunk_wy_kernel(
     DOT_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     # pointers start at the chunk, so offsets inside it are small
-    t0 = bos + i_t * BT
-    T = tl.minimum(eos - t0, BT).to(tl.int32)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q += t0 * (H * K) + i_h * K
     k += t0 * (H * K) + i_h * K
     G += t0 * (H * K) + i_h * K
