@@ -232,8 +232,9 @@ class Schedule(NamedTuple):
 
 # By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
 # D=576, b=128, mean s_k=8192, commit a6cf40c): rows=16 (H=16) 0.43 ms, rows=32 (H=32) 0.54 ms, where lazy
-# rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. BLOCK_N=256 (or 128 at 64 rows) overflows shared
-# memory.
+# rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
+# rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
+# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory.
 SCHEDULES = {
     (2, 16): Schedule(128, 8, 2, 0.0),
     (2, 32): Schedule(64, 4, 2, 8.0),
@@ -259,7 +260,7 @@ def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int, min_waves
     max_splits = max(1, min(64, max_kv // (4 * block_n)))
     if work >= min_waves * num_sms or max_splits == 1:
         return 1
-    lo = min(max_splits, max(1, math.ceil(min_waves * num_sms / work) if min_waves > 1 else 1))
+    lo = 1 if min_waves <= 1 else min(max_splits, math.ceil(min_waves * num_sms / work))
     eff = {s: (work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(lo, max_splits + 1)}
     best = max(eff.values())
     return next(s for s, e in eff.items() if e >= 0.85 * best)
