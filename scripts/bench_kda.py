@@ -76,17 +76,25 @@ def kernel_breakdown(fn, reps: int = 5) -> dict[str, float]:
     return {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
 
 
-def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdown: bool):
-    """Yields one row per backend, each as soon as it is timed."""
+def prefill_inputs(T: int, H: int, D: int, dtype, device) -> dict:
+    """Seeded prefill inputs, B=1: q, k, v, f (the raw gate) and beta in `dtype`, fp32 A_log and dt_bias, and the
+    fp32 log-decay g = kda_gate(f, A_log, dt_bias)."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=dt)
 
-    q, k, v, f = rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D)
-    beta = torch.sigmoid(rnd(1, T, H))
-    A_log, dt_bias = rnd(H, dt=torch.float32) * 0.5, rnd(H * D, dt=torch.float32) * 0.5 - 1.0
-    g = kda_gate(f, A_log, dt_bias)
+    x = dict(q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, H, D), f=rnd(1, T, H, D))
+    x["beta"] = torch.sigmoid(rnd(1, T, H))
+    x["A_log"], x["dt_bias"] = rnd(H, dt=torch.float32) * 0.5, rnd(H * D, dt=torch.float32) * 0.5 - 1.0
+    x["g"] = kda_gate(x["f"], x["A_log"], x["dt_bias"])
+    return x
+
+
+def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdown: bool):
+    """Yields one row per backend, each as soon as it is timed."""
+    x = prefill_inputs(T, H, D, dtype, device)
+    q, k, v, f, beta, A_log, dt_bias, g = (x[n] for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias", "g"))
     common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     backends = {
         "triton": lambda: chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **common),

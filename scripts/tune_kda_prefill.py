@@ -26,9 +26,9 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import JsonlWriter, bench_ms, run_metadata  # noqa: E402
+from bench_kda import prefill_inputs  # noqa: E402
 
 from kimi_helix.kernels.kda import chunk  # noqa: E402
-from kimi_helix.kernels.kda.naive import kda_gate  # noqa: E402
 
 
 def _grid(**axes) -> list[dict]:
@@ -52,15 +52,9 @@ SMOKE_CANDIDATES = {
 
 
 def make_call(T: int, H: int, D: int, dtype, device):
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rnd(*shape, dt=dtype):
-        return torch.randn(*shape, generator=gen, device=device, dtype=dt)
-
-    q, k, v, f = rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D), rnd(1, T, H, D)
-    beta = torch.sigmoid(rnd(1, T, H))
-    g = kda_gate(f, rnd(H, dt=torch.float32) * 0.5, rnd(H * D, dt=torch.float32) * 0.5 - 1.0)
-    return lambda: chunk.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    x = prefill_inputs(T, H, D, dtype, device)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    return lambda: chunk.chunk_kda(*args, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
 def _compile(job) -> str | None:
