@@ -9,6 +9,10 @@
 set -uo pipefail
 mode="${1:-all}"
 [ $# -gt 0 ] && shift
+case "$mode" in
+    tests | kda | mla | all) ;;
+    *) echo "gpu_check.sh: unknown mode '$mode' (allowed: tests, kda, mla, all)" >&2; exit 2 ;;
+esac
 out="${OUT:-out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
