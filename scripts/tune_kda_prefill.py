@@ -36,14 +36,15 @@ def _grid(**axes) -> list[dict]:
 
 
 CANDIDATES = {
-    "INTRA": _grid(BKS=[16, 32], num_warps=[2, 4, 8], num_stages=[1, 2, 3], row_sweep=[False, True]),
+    "INTRA": _grid(layout=["chunk"], BKS=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3])
+    + _grid(layout=["block", "row_sweep"], BKS=[16, 32], num_warps=[2, 4], num_stages=[1, 3]),
     "SOLVE": _grid(num_warps=[1, 2, 4], num_stages=[1]),
     "WY": _grid(BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
     "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
-    "INTRA": _grid(BKS=[16], num_warps=[4], num_stages=[1], row_sweep=[False, True]),
+    "INTRA": _grid(layout=["block", "row_sweep", "chunk"], BKS=[16], num_warps=[4], num_stages=[1]),
     "SOLVE": _grid(num_warps=[2], num_stages=[1]),
     "WY": _grid(BS=[16, 32], num_warps=[4], num_stages=[1]),
     "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),

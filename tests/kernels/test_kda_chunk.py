@@ -25,12 +25,12 @@ make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, d
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-@pytest.fixture(params=[False, True], ids=["pairwise", "row_sweep"])
+@pytest.fixture(params=["block", "row_sweep", "chunk"])
 def intra_path(request, monkeypatch):
-    """Both ways the intra kernel can build a chunk's A blocks (chunk.INTRA["row_sweep"])."""
+    """Every way the intra stage can build a chunk's A blocks and inverse (chunk.INTRA["layout"])."""
     from kimi_helix.kernels.kda import chunk
 
-    monkeypatch.setitem(chunk.INTRA, "row_sweep", request.param)
+    monkeypatch.setitem(chunk.INTRA, "layout", request.param)
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])

@@ -24,7 +24,12 @@ import torch
 import triton
 
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
-from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel, kda_chunk_solve_kernel
+from kimi_helix.kernels.kda.chunk_intra import (
+    kda_chunk_gate_kernel,
+    kda_chunk_intra_kernel,
+    kda_chunk_intra_solve_kernel,
+    kda_chunk_solve_kernel,
+)
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.kda.common import (
@@ -67,7 +72,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # instead of one sweep per block pair (fewer dependent loads, more registers: 230 a thread at 4 warps); it passes
 # the same tests and has not been timed on a GPU yet. The state pass is sequential over chunks, so narrow programs
 # (many of them) beat wide ones there.
-INTRA = dict(BKS=16, num_warps=2, num_stages=3, row_sweep=False)
+INTRA = dict(layout="block", BKS=16, num_warps=2, num_stages=3)
 SOLVE = dict(num_warps=4, num_stages=1)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
@@ -161,15 +166,19 @@ def chunk_kda(
             g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
             H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
         )  # fmt: skip
-        kda_chunk_intra_kernel[(NT, H, chunk_size // _BC)](
-            q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale,
+        intra = dict(
             H=H, K=K, BT=chunk_size, BC=_BC, BKS=_fit(INTRA["BKS"], K), L2NORM=use_qk_l2norm_in_kernel,
-            DOT_PREC=dot_prec, ROW_SWEEP=INTRA["row_sweep"], num_warps=INTRA["num_warps"],
-            num_stages=INTRA["num_stages"],
+            DOT_PREC=dot_prec, num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"],
         )  # fmt: skip
-        kda_chunk_solve_kernel[(NT, H)](
-            Ai, cu, chunk_indices, H=H, BT=chunk_size, BC=_BC, DOT_PREC=dot_prec, **SOLVE
-        )  # fmt: skip
+        if INTRA["layout"] == "chunk":
+            kda_chunk_intra_solve_kernel[(NT, H)](q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale, **intra)
+        else:
+            kda_chunk_intra_kernel[(NT, H, chunk_size // _BC)](
+                q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale, ROW_SWEEP=INTRA["layout"] == "row_sweep", **intra
+            )
+            kda_chunk_solve_kernel[(NT, H)](
+                Ai, cu, chunk_indices, H=H, BT=chunk_size, BC=_BC, DOT_PREC=dot_prec, **SOLVE
+            )  # fmt: skip
         kda_chunk_wy_kernel[(NT, H)](
             q, k, v, G, beta, Ai, w, u, kg, qg, cu, chunk_indices, scale,
             H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,
