@@ -3,7 +3,7 @@
     python scripts/tune_kda_prefill.py --out $OUT     # T=8192, H=64, K=V=128, bf16 (the target case)
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
-One kernel at a time (intra, solve, WY, state, output) runs every candidate of its table while the others keep
+One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the others keep
 the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call, as
 bench_kda.py calls it.
 Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is shared). One JSON object
@@ -36,16 +36,15 @@ def _grid(**axes) -> list[dict]:
 
 
 CANDIDATES = {
-    "INTRA": _grid(layout=["chunk"], BKS=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 2, 3])
-    + _grid(layout=["block", "row_sweep"], BKS=[16, 32], num_warps=[2, 4], num_stages=[1, 3]),
-    "SOLVE": _grid(num_warps=[1, 2, 4], num_stages=[1]),
+    "INTRA": _grid(wide=[True], BKS=[16, 32], num_warps=[4, 8], num_stages=[1, 2, 3]) + [dict(chunk.INTRA, wide=False)],
+    "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3]),
     "WY": _grid(BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
     "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
-    "INTRA": _grid(layout=["block", "row_sweep", "chunk"], BKS=[16], num_warps=[4], num_stages=[1]),
-    "SOLVE": _grid(num_warps=[2], num_stages=[1]),
+    "INTRA": _grid(wide=[True, False], BKS=[16], num_warps=[4], num_stages=[1]),
+    "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1]),
     "WY": _grid(BS=[16, 32], num_warps=[4], num_stages=[1]),
     "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
     "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),

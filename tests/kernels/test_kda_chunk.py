@@ -1,7 +1,7 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
 fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong gates, both
-intra paths; bf16
-at real shapes and fla parity on the GPU; plus the prefill benchmark's smoke run."""
+intra paths (chunk-wide with its per-chunk fallback, and blocks only); bf16 at real shapes and fla parity on the
+GPU; plus the prefill benchmark's smoke run."""
 
 from __future__ import annotations
 
@@ -25,12 +25,13 @@ make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, d
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-@pytest.fixture(params=["block", "row_sweep", "chunk"])
+@pytest.fixture(params=[True, False], ids=["wide", "blocks"])
 def intra_path(request, monkeypatch):
-    """Every way the intra stage can build a chunk's A blocks and inverse (chunk.INTRA["layout"])."""
+    """Both intra paths: the chunk-wide kernel first (falling back per chunk), or the block kernel for every chunk
+    (chunk.INTRA["wide"])."""
     from kimi_helix.kernels.kda import chunk
 
-    monkeypatch.setitem(chunk.INTRA, "layout", request.param)
+    monkeypatch.setitem(chunk.INTRA, "wide", request.param)
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])
@@ -128,12 +129,15 @@ def test_gate_in_kernel(lower_bound, chunk_size):
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.usefixtures("intra_path")
 def test_strong_gates_stay_finite(chunk_size):
-    """Log-decays down to -80 per token on half the channels of tokens 16..31: that 16-row block takes the exact
-    pairwise loop (its cumulative decays fall far below exp(-88)), the others the factored dot, in one chunk."""
-    q, k, v, _, beta, s0, _, _ = make_inputs(1, 40, seed=17, h=1)
+    """Log-decays down to -80 per token on half the channels of tokens 80..95: the chunk holding them is too steep
+    for the chunk-wide factorisation and takes the block path, where that 16-row block takes the exact pairwise loop
+    (its cumulative decays fall far below exp(-88)) and the others the factored dot; the chunks around it stay
+    chunk-wide, in the same call."""
+    T = 136
+    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=17, h=1)
     gen = torch.Generator().manual_seed(0)
-    g = -torch.rand(1, 40, 1, K, generator=gen) * 0.05
-    g[:, 16:32, :, 1::2] = -torch.rand(1, 16, 1, K // 2, generator=gen) * 80.0
+    g = -torch.rand(1, T, 1, K, generator=gen) * 0.05
+    g[:, 80:96, :, 1::2] = -torch.rand(1, 16, 1, K // 2, generator=gen) * 80.0
     g = g.to(DEVICE)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)

@@ -4,16 +4,18 @@ Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda
 packed tokens (a plain batch is packed as ``B`` equal sequences):
 
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
-2. ``kda_chunk_intra_kernel``: per 16-row block of a chunk, ``A_qk``, ``A_kk`` and the inverse diagonal block;
-3. ``kda_chunk_solve_kernel``: per chunk, the rest of ``(I + A)^-1`` from those blocks;
+2. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
+   the decays, where the chunk's gates allow it;
+3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
 6. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
 
 Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
-carried state, which are fp32. All decays are exponentials of non-positive numbers as long as the log-decay ``g``
-is <= 0 (always true for the KDA gate), so strong forget gates cannot overflow. ``cu_seqlens`` is read on the host:
-pass it on the CPU to avoid a device sync.
+carried state, which are fp32. Every decay factor is bounded: outside the intra stage they are exponentials of
+non-positive numbers (the log-decay ``g`` is <= 0 for the KDA gate), and inside it factors stay within
+``2^MAX_SPREAD`` or the chunk takes the exact path, so strong forget gates cannot overflow. ``cu_seqlens`` is read
+on the host: pass it on the CPU to avoid a device sync.
 """
 
 from __future__ import annotations
@@ -24,12 +26,8 @@ import torch
 import triton
 
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
-from kimi_helix.kernels.kda.chunk_intra import (
-    kda_chunk_gate_kernel,
-    kda_chunk_intra_kernel,
-    kda_chunk_intra_solve_kernel,
-    kda_chunk_solve_kernel,
-)
+from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
+from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.kda.common import (
@@ -64,16 +62,14 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 
 
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
-# the column slice of the intra kernel's 16-row dots, BS that of the WY kernel's chunk-wide dots, BV the value
-# columns per program of the state and output kernels. The intra and WY kernels are latency-bound, so what counts
-# is programs in flight: the intra kernel does best as many 2-warp programs with prefetched slices (254 registers a
-# thread by ptxas for sm_90, four programs an SM; 2.33 ms for the whole prefill at T=8192, H=64 on an H200, against
-# 3.35 ms at 4 warps and 8 warps slower still). `row_sweep` builds a row block's A blocks in one sweep over K
-# instead of one sweep per block pair (fewer dependent loads, more registers: 230 a thread at 4 warps); it passes
-# the same tests and has not been timed on a GPU yet. The state pass is sequential over chunks, so narrow programs
-# (many of them) beat wide ones there.
-INTRA = dict(layout="block", BKS=16, num_warps=2, num_stages=3)
-SOLVE = dict(num_warps=4, num_stages=1)
+# the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
+# program of the state and output kernels. INTRA["wide"] runs the chunk-wide factorisation first and leaves only
+# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. The block kernel
+# keeps 20 16x16 accumulators live and does best as many 2-warp programs (2.25 ms for the whole prefill at T=8192,
+# H=64 on an H200, against 2.33 ms for the per-row-block kernels it replaced, commit 196a4f7). The state pass is
+# sequential over chunks, so narrow programs (many of them) beat wide ones there.
+INTRA = dict(wide=True, BKS=16, num_warps=8, num_stages=2)
+BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
@@ -152,6 +148,7 @@ def chunk_kda(
     u, v_new, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(3))
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
+    wide_ok = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # chunks the chunk-wide intra kernel did
     h = torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
     if not output_final_state:
         final_state = None
@@ -166,19 +163,17 @@ def chunk_kda(
             g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
             H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
         )  # fmt: skip
-        intra = dict(
-            H=H, K=K, BT=chunk_size, BC=_BC, BKS=_fit(INTRA["BKS"], K), L2NORM=use_qk_l2norm_in_kernel,
-            DOT_PREC=dot_prec, num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"],
-        )  # fmt: skip
-        if INTRA["layout"] == "chunk":
-            kda_chunk_intra_solve_kernel[(NT, H)](q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale, **intra)
-        else:
-            kda_chunk_intra_kernel[(NT, H, chunk_size // _BC)](
-                q, k, G, beta, Aqk, Ai, cu, chunk_indices, scale, ROW_SWEEP=INTRA["layout"] == "row_sweep", **intra
-            )
-            kda_chunk_solve_kernel[(NT, H)](
-                Ai, cu, chunk_indices, H=H, BT=chunk_size, BC=_BC, DOT_PREC=dot_prec, **SOLVE
+        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
+        args = (q, k, G, beta, Aqk, Ai, wide_ok, cu, chunk_indices, scale)
+        if INTRA["wide"]:
+            kda_chunk_intra_kernel[(NT, H)](
+                *args, **common, BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"],
+                num_stages=INTRA["num_stages"],
             )  # fmt: skip
+        kda_chunk_intra_blocks_kernel[(NT, H)](
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"], num_warps=BLOCKS["num_warps"],
+            num_stages=BLOCKS["num_stages"],
+        )  # fmt: skip
         kda_chunk_wy_kernel[(NT, H)](
             q, k, v, G, beta, Ai, w, u, kg, qg, cu, chunk_indices, scale,
             H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,

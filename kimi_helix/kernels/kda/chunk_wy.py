@@ -1,4 +1,4 @@
-"""WY stage of the Triton KDA prefill: the chunk-wide products of the inverse from the intra and solve kernels.
+"""WY stage of the Triton KDA prefill: the chunk-wide products of the inverse that the intra kernels leave in Ai.
 
 Per chunk and head, with ``Ai = (I + A)^-1`` (fp32 scratch) and k, q L2-normalised in the kernel::
 

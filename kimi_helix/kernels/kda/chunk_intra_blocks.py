@@ -1,0 +1,234 @@
+"""The exact fallback of the Triton KDA intra stage: a chunk's A_qk and (I + A_kk)^-1 block pair by block pair.
+
+For chunks whose decay spread is too wide for the chunk-wide factorisation of chunk_intra.py. Each 16-row block pair
+(i, j < i) factors ``exp2(G_i - G_j) = exp2(G_i - G_n) exp2(G_n - G_j)`` around ``G_n``, the decay at the first row
+of block i, so both factors are decays (<= 1) for any gate. A diagonal block factors around its middle row when the
+spread inside the block allows (always, for moderate gates) and otherwise loops over its 16 columns with the exact
+pairwise decay. One sweep over K loads each row block's q, k and G slice once and feeds every pair.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kimi_helix.kernels.kda.chunk_intra import (
+    MAX_SPREAD,
+    _chunk_span,
+    _neg_dot,
+    _row,
+    _store_tile,
+    _tile,
+    _unit_lower_inverse,
+)
+
+
+@triton.jit
+def _diag_exact(q, k, G, r0, m, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):
+    """Unscaled A_kk and A_qk of the diagonal block at r0 with the exact pairwise decay exp(G_i - G_j), column by
+    column: the path for blocks whose decay spread is too wide to factor."""
+    HK = H * K
+    o_c = tl.arange(0, BC)
+    A_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    A_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for j in range(BC):
+        # taken only for rows at or after j, where the exponent is <= 0
+        keep = (o_c >= j) & m
+        rj = tl.minimum(r0 + j, T - 1)
+        col_kk = tl.zeros([BC], dtype=tl.float32)
+        col_qk = tl.zeros([BC], dtype=tl.float32)
+        for c in range(0, K, BKS):
+            b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rj, c, HK, K, BKS)[None, :]
+            b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * _row(k, rj, c, HK, K, BKS)[None, :]
+            col_kk += tl.sum(_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            col_qk += tl.sum(_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+        A_kk = tl.where(o_c[None, :] == j, col_kk[:, None], A_kk)
+        A_qk = tl.where(o_c[None, :] == j, col_qk[:, None], A_qk)
+    return A_kk, A_qk
+
+
+@triton.jit
+def _diag_finish(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Scales and masks a diagonal block's unscaled dots: stores A_qk (lower, diagonal included), returns
+    beta * A_kk (strictly lower)."""
+    o_c = tl.arange(0, BC)
+    A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
+    _store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
+    return tl.where(o_c[:, None] > o_c[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
+
+
+@triton.jit
+def _slice(q, k, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):
+    """Columns c .. c+BKS of the row block at r0: q, k and G as fp32 [BC, BKS] tiles (zero outside)."""
+    HK = H * K
+    return (_tile(q, r0, c, T, K, HK, BC, BKS), _tile(k, r0, c, T, K, HK, BC, BKS),
+            _tile(G, r0, c, T, K, HK, BC, BKS))  # fmt: skip
+
+
+@triton.jit
+def _decayed_rows(b_q, b_k, b_g, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+                  BKS: tl.constexpr):  # fmt: skip
+    """q and k of the row block at r0 decayed to its first row, exp(G_i - G_n) (<= 1), and that pivot row G_n."""
+    b_gn = _row(G, tl.minimum(r0, T - 1), c, H * K, K, BKS)
+    m = (r0 + tl.arange(0, BC)) < T
+    e = tl.exp2(tl.where(m[:, None], b_g - b_gn[None, :], -float("inf")))
+    return b_q * e, b_k * e, b_gn
+
+
+@triton.jit
+def _pair(qg_i, kg_i, b_gn, b_kj, b_gj, A_qk, A_kk, DOT_PREC: tl.constexpr):
+    """Adds one column slice of block pair (i, j < i): key j decayed up to block i's pivot, exp(G_n - G_j) <= 1."""
+    kt = tl.trans(b_kj * tl.exp2(b_gn[None, :] - b_gj))
+    return (tl.dot(qg_i, kt, A_qk, input_precision=DOT_PREC),
+            tl.dot(kg_i, kt, A_kk, input_precision=DOT_PREC))  # fmt: skip
+
+
+@triton.jit
+def _diag(b_q, b_k, b_g, G, r0, c, T, D_qk, D_kk, spread, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+          BKS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """Adds one column slice of the diagonal block at r0, factored around its middle row, and tracks the decay
+    spread that bounds both factors (beyond MAX_SPREAD the caller recomputes the block exactly)."""
+    m = (r0 + tl.arange(0, BC)) < T
+    b_d = b_g - _row(G, tl.minimum(r0 + BC // 2, T - 1), c, H * K, K, BKS)[None, :]
+    spread = tl.maximum(spread, tl.max(tl.max(tl.where(m[:, None], tl.abs(b_d), 0.0), axis=1), axis=0))
+    e = tl.exp2(tl.where(m[:, None], b_d, -float("inf")))
+    kt = tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf"))))
+    return (tl.dot(b_q * e, kt, D_qk, input_precision=DOT_PREC),
+            tl.dot(b_k * e, kt, D_kk, input_precision=DOT_PREC), spread)  # fmt: skip
+
+
+@triton.jit
+def _finish_diag(q, k, G, Aqk, D_qk, D_kk, spread, r0, rq, rk, b_b, T, scale, H: tl.constexpr, K: tl.constexpr,
+                 BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):  # fmt: skip
+    """Stores the diagonal block's A_qk; returns (I + beta A_kk)^-1 of the block."""
+    m = (r0 + tl.arange(0, BC)) < T
+    if spread > MAX_SPREAD:
+        D_kk, D_qk = _diag_exact(q, k, G, r0, m, T, H, K, BC, BKS)
+    return _unit_lower_inverse(_diag_finish(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, scale, H, BT, BC), BC)
+
+
+@triton.jit
+def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, scale, H: tl.constexpr, BT: tl.constexpr,
+                 BC: tl.constexpr):  # fmt: skip
+    """Stores block pair (i, j)'s A_qk; returns its beta-scaled A_kk."""
+    _store_tile(Aqk, A_qk * (rq_i * scale)[:, None] * rk_j[None, :], ri0, rj0, T, BT, H * BT, BC, BC)
+    return A_kk * (rk_i * b_i)[:, None] * rk_j[None, :]
+
+
+@triton.jit
+def _norm_beta(sq, sk, beta, r0, T, H: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr):
+    """1/|q|, 1/|k| (or ones) and beta of the row block at r0."""
+    rows = r0 + tl.arange(0, BC)
+    b_b = tl.load(beta + rows * H, mask=rows < T, other=0.0).to(tl.float32)
+    if L2NORM:
+        return 1.0 / tl.sqrt(sq + 1e-6), 1.0 / tl.sqrt(sk + 1e-6), b_b
+    return tl.full([BC], 1.0, tl.float32), tl.full([BC], 1.0, tl.float32), b_b
+
+
+@triton.jit
+def kda_chunk_intra_blocks_kernel(
+    q,
+    k,
+    G,
+    beta,
+    Aqk,
+    Ai,
+    wide_ok,
+    cu_seqlens,
+    chunk_indices,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BKS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    SKIP_WIDE: tl.constexpr,
+):
+    """A_qk and (I + A_kk)^-1 of one chunk and head (BT <= 4 * BC rows), skipping the chunks that
+    kda_chunk_intra_kernel finished when SKIP_WIDE."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    if SKIP_WIDE:
+        if tl.load(wide_ok + i_c * H + i_h) != 0:
+            return
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    q += t0 * (H * K) + i_h * K
+    k += t0 * (H * K) + i_h * K
+    G += t0 * (H * K) + i_h * K
+    beta += t0 * H + i_h
+    Aqk += t0 * (H * BT) + i_h * BT
+    Ai += t0 * (H * BT) + i_h * BT
+    S = H * BT
+    r1, r2, r3 = BC, 2 * BC, 3 * BC
+    Z = tl.zeros([BC, BC], dtype=tl.float32)
+    z = tl.zeros([BC], dtype=tl.float32)
+    D0q, D0k, D1q, D1k, D2q, D2k, D3q, D3k = Z, Z, Z, Z, Z, Z, Z, Z
+    A10q, A10k, A20q, A20k, A21q, A21k, A30q, A30k, A31q, A31k, A32q, A32k = Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z
+    sq0, sk0, sq1, sk1, sq2, sk2, sq3, sk3 = z, z, z, z, z, z, z, z
+    sp0, sp1, sp2, sp3 = 0.0, 0.0, 0.0, 0.0
+    for c in range(0, K, BKS):
+        q0, k0, g0 = _slice(q, k, G, 0, c, T, H, K, BC, BKS)
+        D0q, D0k, sp0 = _diag(q0, k0, g0, G, 0, c, T, D0q, D0k, sp0, H, K, BC, BKS, DOT_PREC)
+        sq0 += tl.sum(q0 * q0, axis=1)
+        sk0 += tl.sum(k0 * k0, axis=1)
+        if BT > BC:
+            q1, k1, g1 = _slice(q, k, G, r1, c, T, H, K, BC, BKS)
+            qg, kg, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
+            A10q, A10k = _pair(qg, kg, gn, k0, g0, A10q, A10k, DOT_PREC)
+            D1q, D1k, sp1 = _diag(q1, k1, g1, G, r1, c, T, D1q, D1k, sp1, H, K, BC, BKS, DOT_PREC)
+            sq1 += tl.sum(q1 * q1, axis=1)
+            sk1 += tl.sum(k1 * k1, axis=1)
+        if BT > 2 * BC:
+            q2, k2, g2 = _slice(q, k, G, r2, c, T, H, K, BC, BKS)
+            qg, kg, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
+            A20q, A20k = _pair(qg, kg, gn, k0, g0, A20q, A20k, DOT_PREC)
+            A21q, A21k = _pair(qg, kg, gn, k1, g1, A21q, A21k, DOT_PREC)
+            D2q, D2k, sp2 = _diag(q2, k2, g2, G, r2, c, T, D2q, D2k, sp2, H, K, BC, BKS, DOT_PREC)
+            sq2 += tl.sum(q2 * q2, axis=1)
+            sk2 += tl.sum(k2 * k2, axis=1)
+            q3, k3, g3 = _slice(q, k, G, r3, c, T, H, K, BC, BKS)
+            qg, kg, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
+            A30q, A30k = _pair(qg, kg, gn, k0, g0, A30q, A30k, DOT_PREC)
+            A31q, A31k = _pair(qg, kg, gn, k1, g1, A31q, A31k, DOT_PREC)
+            A32q, A32k = _pair(qg, kg, gn, k2, g2, A32q, A32k, DOT_PREC)
+            D3q, D3k, sp3 = _diag(q3, k3, g3, G, r3, c, T, D3q, D3k, sp3, H, K, BC, BKS, DOT_PREC)
+            sq3 += tl.sum(q3 * q3, axis=1)
+            sk3 += tl.sum(k3 * k3, axis=1)
+
+    rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, 0, T, H, BC, L2NORM)
+    Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, scale, H, K, BT, BC, BKS)
+    _store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)
+    if BT > BC:
+        rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, r1, T, H, BC, L2NORM)
+        Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, scale, H, K, BT, BC, BKS)
+        A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, scale, H, BT, BC)
+        Ai10 = _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
+    if BT > 2 * BC:
+        rq2, rk2, b2 = _norm_beta(sq2, sk2, beta, r2, T, H, BC, L2NORM)
+        Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, scale, H, K, BT, BC, BKS)
+        A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, scale, H, BT, BC)
+        A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, scale, H, BT, BC)
+        Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
+        b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
+        Ai20 = _neg_dot(Ai22, b_s, DOT_PREC)
+        _store_tile(Ai, Ai22, r2, r2, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
+
+        rq3, rk3, b3 = _norm_beta(sq3, sk3, beta, r3, T, H, BC, L2NORM)
+        Ai33 = _finish_diag(q, k, G, Aqk, D3q, D3k, sp3, r3, rq3, rk3, b3, T, scale, H, K, BT, BC, BKS)
+        A30 = _finish_pair(Aqk, A30q, A30k, r3, 0, rq3, rk3, b3, rk0, T, scale, H, BT, BC)
+        A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, scale, H, BT, BC)
+        A32 = _finish_pair(Aqk, A32q, A32k, r3, r2, rq3, rk3, b3, rk2, T, scale, H, BT, BC)
+        Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
+        b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
+        Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
+        b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
+        Ai30 = _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC)
+        _store_tile(Ai, Ai33, r3, r3, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai32, r3, r2, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai31, r3, r1, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai30, r3, 0, T, BT, S, BC, BC)
