@@ -3,9 +3,9 @@
     python scripts/tune_kda_prefill.py --out $OUT     # T=8192, H=64, K=V=128, bf16 (the target case)
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
-One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the others keep
-the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call, as
-bench_kda.py calls it.
+One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the
+others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call,
+as bench_kda.py calls it.
 Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is shared). One JSON object
 per timing goes to <out>/tune_kda_prefill.jsonl; the best per kernel is printed last.
 """
