@@ -149,6 +149,7 @@ def chunk_kda(
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
     wide_ok = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # chunks the chunk-wide intra kernel did
+    rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # 1/|q|, 1/|k| for the WY kernel
     h = torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
     if not output_final_state:
         final_state = None
@@ -164,7 +165,7 @@ def chunk_kda(
             H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
-        args = (q, k, G, beta, Aqk, Ai, wide_ok, cu, chunk_indices, scale)
+        args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
         if INTRA["wide"]:
             kda_chunk_intra_kernel[(NT, H)](
                 *args, **common, BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"],
@@ -175,7 +176,7 @@ def chunk_kda(
             num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
         kda_chunk_wy_kernel[(NT, H)](
-            q, k, v, G, beta, Ai, w, u, kg, qg, cu, chunk_indices, scale,
+            q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
             H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,
             DOT_PREC=dot_prec, num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip

@@ -91,25 +91,6 @@ def _store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD
 
 
 @triton.jit
-def _row_norms(q, k, r0, T, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
-               L2NORM: tl.constexpr):  # fmt: skip
-    """1/|q| and 1/|k| (fla's eps inside the root) of rows r0 .. r0+BR, or ones without the L2 norm."""
-    rq = tl.full([BR], 1.0, dtype=tl.float32)
-    rk = tl.full([BR], 1.0, dtype=tl.float32)
-    if L2NORM:
-        sq = tl.zeros([BR], dtype=tl.float32)
-        sk = tl.zeros([BR], dtype=tl.float32)
-        for c in range(0, K, BS):
-            b_q = _tile(q, r0, c, T, K, H * K, BR, BS)
-            b_k = _tile(k, r0, c, T, K, H * K, BR, BS)
-            sq += tl.sum(b_q * b_q, axis=1)
-            sk += tl.sum(b_k * b_k, axis=1)
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-    return rq, rk
-
-
-@triton.jit
 def _unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower-triangular [BC, BC] A (BC <= 32): with N = -A nilpotent, the inverse is
     sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (measured on an
@@ -171,6 +152,7 @@ def kda_chunk_intra_kernel(
     beta,
     Aqk,
     Ai,
+    rnorm,
     wide_ok,
     cu_seqlens,
     chunk_indices,
@@ -195,6 +177,7 @@ def kda_chunk_intra_kernel(
     beta += t0 * H + i_h
     Aqk += t0 * (H * BT) + i_h * BT
     Ai += t0 * (H * BT) + i_h * BT
+    rnorm += t0 * (2 * H) + 2 * i_h
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)
@@ -226,6 +209,8 @@ def kda_chunk_intra_kernel(
         if L2NORM:
             rq = 1.0 / tl.sqrt(sq + 1e-6)
             rk = 1.0 / tl.sqrt(sk + 1e-6)
+            tl.store(rnorm + o_t * (2 * H), rq, mask=m_t)
+            tl.store(rnorm + o_t * (2 * H) + 1, rk, mask=m_t)
         b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
         offs = o_t[:, None] * S + o_t[None, :]
         A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)

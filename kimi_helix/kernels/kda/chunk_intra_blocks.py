@@ -116,12 +116,18 @@ def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, scale, H: 
 
 
 @triton.jit
-def _norm_beta(sq, sk, beta, r0, T, H: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr):
-    """1/|q|, 1/|k| (or ones) and beta of the row block at r0."""
+def _norm_beta(sq, sk, beta, rnorm, r0, T, H: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr):
+    """1/|q|, 1/|k| (stored to rnorm for the WY kernel; ones without the L2 norm) and beta of the row block at
+    r0."""
     rows = r0 + tl.arange(0, BC)
-    b_b = tl.load(beta + rows * H, mask=rows < T, other=0.0).to(tl.float32)
+    m = rows < T
+    b_b = tl.load(beta + rows * H, mask=m, other=0.0).to(tl.float32)
     if L2NORM:
-        return 1.0 / tl.sqrt(sq + 1e-6), 1.0 / tl.sqrt(sk + 1e-6), b_b
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        tl.store(rnorm + rows * (2 * H), rq, mask=m)
+        tl.store(rnorm + rows * (2 * H) + 1, rk, mask=m)
+        return rq, rk, b_b
     return tl.full([BC], 1.0, tl.float32), tl.full([BC], 1.0, tl.float32), b_b
 
 
@@ -133,6 +139,7 @@ def kda_chunk_intra_blocks_kernel(
     beta,
     Aqk,
     Ai,
+    rnorm,
     wide_ok,
     cu_seqlens,
     chunk_indices,
@@ -159,6 +166,7 @@ def kda_chunk_intra_blocks_kernel(
     beta += t0 * H + i_h
     Aqk += t0 * (H * BT) + i_h * BT
     Ai += t0 * (H * BT) + i_h * BT
+    rnorm += t0 * (2 * H) + 2 * i_h
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
     Z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -196,18 +204,18 @@ def kda_chunk_intra_blocks_kernel(
             sq3 += tl.sum(q3 * q3, axis=1)
             sk3 += tl.sum(k3 * k3, axis=1)
 
-    rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, 0, T, H, BC, L2NORM)
+    rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, BC, L2NORM)
     Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, scale, H, K, BT, BC, BKS)
     _store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)
     if BT > BC:
-        rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, r1, T, H, BC, L2NORM)
+        rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, r1, T, H, BC, L2NORM)
         Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, scale, H, K, BT, BC, BKS)
         A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, scale, H, BT, BC)
         Ai10 = _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
         _store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
-        rq2, rk2, b2 = _norm_beta(sq2, sk2, beta, r2, T, H, BC, L2NORM)
+        rq2, rk2, b2 = _norm_beta(sq2, sk2, beta, rnorm, r2, T, H, BC, L2NORM)
         Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, scale, H, K, BT, BC, BKS)
         A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, scale, H, BT, BC)
         A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, scale, H, BT, BC)
@@ -218,7 +226,7 @@ def kda_chunk_intra_blocks_kernel(
         _store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
 
-        rq3, rk3, b3 = _norm_beta(sq3, sk3, beta, r3, T, H, BC, L2NORM)
+        rq3, rk3, b3 = _norm_beta(sq3, sk3, beta, rnorm, r3, T, H, BC, L2NORM)
         Ai33 = _finish_diag(q, k, G, Aqk, D3q, D3k, sp3, r3, rq3, rk3, b3, T, scale, H, K, BT, BC, BKS)
         A30 = _finish_pair(Aqk, A30q, A30k, r3, 0, rq3, rk3, b3, rk0, T, scale, H, BT, BC)
         A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, scale, H, BT, BC)

@@ -1,6 +1,6 @@
 """WY stage of the Triton KDA prefill: the chunk-wide products of the inverse that the intra kernels leave in Ai.
 
-Per chunk and head, with ``Ai = (I + A)^-1`` (fp32 scratch) and k, q L2-normalised in the kernel::
+Per chunk and head, with ``Ai = (I + A)^-1`` (fp32 scratch) and k, q L2-normalised by the intra kernels' norms::
 
     w  = Ai (beta exp(G) k)        u  = Ai (beta v)
     kg = exp(G_last - G) k         qg = scale exp(G) q
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _row, _row_norms, _store_tile, _tile
+from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _row, _store_tile, _tile
 
 
 @triton.jit
@@ -24,6 +24,7 @@ def kda_chunk_wy_kernel(
     G,
     beta,
     Ai,
+    rnorm,
     w,
     u,
     kg,
@@ -52,13 +53,18 @@ def kda_chunk_wy_kernel(
     u += t0 * (H * V) + i_h * V
     beta += t0 * H + i_h
     Ai += t0 * (H * BT) + i_h * BT
+    rnorm += t0 * (2 * H) + 2 * i_h
     HK = H * K
     o_t = tl.arange(0, BT)
     m_t = o_t < T
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
     b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
     b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    rq, rk = _row_norms(q, k, 0, T, H, K, BT, BS, L2NORM)
+    rq = tl.full([BT], 1.0, tl.float32)
+    rk = tl.full([BT], 1.0, tl.float32)
+    if L2NORM:  # 1/|q| and 1/|k| from the intra kernels
+        rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=1.0)
+        rk = tl.load(rnorm + o_t * (2 * H) + 1, mask=m_t, other=1.0)
     for c in range(0, K, BS):
         b_g = _tile(G, 0, c, T, K, HK, BT, BS)
         b_eg = tl.exp2(b_g)
