@@ -64,11 +64,12 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
 # the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
 # program of the state and output kernels. INTRA["wide"] runs the chunk-wide factorisation first and leaves only
-# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. The block kernel
-# keeps 20 16x16 accumulators live and does best as many 2-warp programs (2.25 ms for the whole prefill at T=8192,
-# H=64 on an H200, against 2.33 ms for the per-row-block kernels it replaced, commit 196a4f7). The state pass is
-# sequential over chunks, so narrow programs (many of them) beat wide ones there.
-INTRA = dict(wide=True, BKS=16, num_warps=8, num_stages=2)
+# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. On an H200 at
+# T=8192, H=64 (commit c6430ab's kernel, timed alone): the chunk-wide kernel 407 us at BKS=32 with 4 warps and 3
+# stages (560 us at 8 warps; 255 registers, some spilled, but two programs an SM), the block kernel 1146 us for
+# every chunk at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps 1893 us). The state pass is sequential
+# over chunks, so narrow programs (many of them) beat wide ones there.
+INTRA = dict(wide=True, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
