@@ -25,14 +25,13 @@ make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, d
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-@pytest.fixture(params=[(True, True), (True, False), (False, False)], ids=["wide_wy", "wide", "blocks"])
+@pytest.fixture(params=[True, False], ids=["wide", "blocks"])
 def intra_path(request, monkeypatch):
-    """Every intra path: the chunk-wide kernel first (falling back per chunk), with or without the WY products
-    fused into it, or the block kernel for every chunk (chunk.INTRA["wide"], ["fuse_wy"])."""
+    """Both intra paths: the chunk-wide kernel first (falling back per chunk), or the block kernel for every chunk
+    (chunk.INTRA["wide"])."""
     from kimi_helix.kernels.kda import chunk
 
-    monkeypatch.setitem(chunk.INTRA, "wide", request.param[0])
-    monkeypatch.setitem(chunk.INTRA, "fuse_wy", request.param[1])
+    monkeypatch.setitem(chunk.INTRA, "wide", request.param)
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])

@@ -64,13 +64,12 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
 # the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
 # program of the state and output kernels. INTRA["wide"] runs the chunk-wide factorisation first and leaves only
-# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. INTRA["fuse_wy"] has
-# it make the WY products of its chunks too, leaving the WY kernel the rest. On an H200 at
+# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. On an H200 at
 # T=8192, H=64 (commit c6430ab's kernel, timed alone): the chunk-wide kernel 407 us at BKS=32 with 4 warps and 3
 # stages (560 us at 8 warps; 255 registers, some spilled, but two programs an SM), the block kernel 1146 us for
 # every chunk at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps 1893 us). The state pass is sequential
 # over chunks, so narrow programs (many of them) beat wide ones there.
-INTRA = dict(wide=True, fuse_wy=True, BKS=16, num_warps=4, num_stages=3)
+INTRA = dict(wide=True, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
@@ -168,21 +167,19 @@ def chunk_kda(
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
-        BS = _fit(WY["BS"], max(K, V))
-        fuse_wy = INTRA["wide"] and INTRA["fuse_wy"]
         if INTRA["wide"]:
             kda_chunk_intra_kernel[(NT, H)](
-                *args, v, w, u, kg, qg, **common, BKS=_fit(INTRA["BKS"], K), V=V, BS=BS, FUSE_WY=fuse_wy,
-                num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"],
+                *args, **common, BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"],
+                num_stages=INTRA["num_stages"],
             )  # fmt: skip
         kda_chunk_intra_blocks_kernel[(NT, H)](
             *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"], num_warps=BLOCKS["num_warps"],
             num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
         kda_chunk_wy_kernel[(NT, H)](
-            q, k, v, G, beta, Ai, rnorm, wide_ok, w, u, kg, qg, cu, chunk_indices, scale,
-            H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
-            SKIP_WIDE=fuse_wy, num_warps=WY["num_warps"], num_stages=WY["num_stages"],
+            q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
+            H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,
+            DOT_PREC=dot_prec, num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip
     BV = _fit(STATE["BV"], V)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](

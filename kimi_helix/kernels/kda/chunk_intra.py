@@ -145,26 +145,6 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
 
 
 @triton.jit
-def _wy_products(q, k, v, G, b_Ai, b_b, rq, rk, w, u, kg, qg, T, scale, H: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
-    """The WY products of one chunk (pointers at its first row), with Ai = (I + A)^-1 [BT, BT], beta, 1/|q| and
-    1/|k| given: w = Ai (beta exp2(G) k), u = Ai (beta v), kg = exp2(G_last - G) k, qg = scale exp2(G) q, in
-    column slices of BS."""
-    HK = H * K
-    for c in range(0, K, BS):
-        b_g = _tile(G, 0, c, T, K, HK, BT, BS)
-        b_eg = tl.exp2(b_g)
-        b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
-        _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
-        _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
-        b_w = tl.dot(b_Ai, b_k * b_eg * b_b[:, None], input_precision=DOT_PREC)
-        _store_tile(w, b_w, 0, c, T, K, HK, BT, BS)
-    for c in range(0, V, BS):
-        b_u = tl.dot(b_Ai, _tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None], input_precision=DOT_PREC)
-        _store_tile(u, b_u, 0, c, T, V, H * V, BT, BS)
-
-
-@triton.jit
 def kda_chunk_intra_kernel(
     q,
     k,
@@ -177,11 +157,6 @@ def kda_chunk_intra_kernel(
     cu_seqlens,
     chunk_indices,
     scale,
-    v,
-    w,
-    u,
-    kg,
-    qg,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -189,14 +164,10 @@ def kda_chunk_intra_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    V: tl.constexpr,
-    BS: tl.constexpr,
-    FUSE_WY: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
     q and k and beta applied to the dot results. Writes wide_ok[chunk, head] = 1 when done; 0 (nothing else
-    stored) when the decay spread is too wide, for the block kernel to take over. With FUSE_WY it also makes the
-    chunk's WY products (see `_wy_products`; v, w, u, kg, qg are used only then)."""
+    stored) when the decay spread is too wide, for the block kernel to take over."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so row indices are chunk-relative and offsets small
@@ -254,13 +225,3 @@ def kda_chunk_intra_kernel(
             _store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
         tl.debug_barrier()
         _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
-        if FUSE_WY:
-            # the WY products while q, k and G are still in cache, and without a separate pass over Ai
-            tl.debug_barrier()
-            b_Ai = tl.load(Ai + offs, mask=m_t[:, None] & (o_t[:, None] >= o_t[None, :]), other=0.0)
-            w += t0 * HK + i_h * K
-            kg += t0 * HK + i_h * K
-            qg += t0 * HK + i_h * K
-            v += t0 * (H * V) + i_h * V
-            u += t0 * (H * V) + i_h * V
-            _wy_products(q, k, v, G, b_Ai, b_b, rq, rk, w, u, kg, qg, T, scale, H, K, V, BT, BS, DOT_PREC)

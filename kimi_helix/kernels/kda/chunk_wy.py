@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _wy_products
+from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _row, _store_tile, _tile
 
 
 @triton.jit
@@ -25,7 +25,6 @@ def kda_chunk_wy_kernel(
     beta,
     Ai,
     rnorm,
-    wide_ok,
     w,
     u,
     kg,
@@ -40,14 +39,8 @@ def kda_chunk_wy_kernel(
     BS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    SKIP_WIDE: tl.constexpr,
 ):
-    """The WY products of one chunk and head, skipping the chunks whose products the chunk-wide intra kernel
-    already made when SKIP_WIDE."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    if SKIP_WIDE:  # noqa: SIM102 - a constexpr test: without it the flag is never loaded
-        if tl.load(wide_ok + i_c * H + i_h) != 0:
-            return
     # pointers start at the chunk, so offsets inside it are small
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q += t0 * (H * K) + i_h * K
@@ -61,6 +54,7 @@ def kda_chunk_wy_kernel(
     beta += t0 * H + i_h
     Ai += t0 * (H * BT) + i_h * BT
     rnorm += t0 * (2 * H) + 2 * i_h
+    HK = H * K
     o_t = tl.arange(0, BT)
     m_t = o_t < T
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
@@ -71,4 +65,14 @@ def kda_chunk_wy_kernel(
     if L2NORM:  # 1/|q| and 1/|k| from the intra kernels
         rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=1.0)
         rk = tl.load(rnorm + o_t * (2 * H) + 1, mask=m_t, other=1.0)
-    _wy_products(q, k, v, G, b_Ai, b_b, rq, rk, w, u, kg, qg, T, scale, H, K, V, BT, BS, DOT_PREC)
+    for c in range(0, K, BS):
+        b_g = _tile(G, 0, c, T, K, HK, BT, BS)
+        b_eg = tl.exp2(b_g)
+        b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
+        _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
+        _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
+        b_w = tl.dot(b_Ai, b_k * b_eg * b_b[:, None], input_precision=DOT_PREC)
+        _store_tile(w, b_w, 0, c, T, K, HK, BT, BS)
+    for c in range(0, V, BS):
+        b_u = tl.dot(b_Ai, _tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None], input_precision=DOT_PREC)
+        _store_tile(u, b_u, 0, c, T, V, H * V, BT, BS)
