@@ -64,11 +64,12 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
 # the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
 # program of the state and output kernels. INTRA["wide"] runs the chunk-wide factorisation first and leaves only
-# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. On an H200 at
-# T=8192, H=64 (commit c6430ab's kernel, timed alone): the chunk-wide kernel 407 us at BKS=32 with 4 warps and 3
-# stages (560 us at 8 warps; 255 registers, some spilled, but two programs an SM), the block kernel 1146 us for
-# every chunk at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps 1893 us). The state pass is sequential
-# over chunks, so narrow programs (many of them) beat wide ones there.
+# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. Whole prefill on an
+# H200 at T=8192, H=64 (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4
+# warps and 3 stages 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms),
+# the block kernel for every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block
+# kernel does best at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is
+# sequential over chunks, so narrow programs (many of them) beat wide ones there.
 INTRA = dict(wide=True, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(BS=32, num_warps=8, num_stages=3)

@@ -1,7 +1,7 @@
 """Inter-chunk state recurrence of the Triton KDA prefill: the only sequential stage.
 
 One program per (sequence, head, block of BV value columns) walks the chunks of its sequence carrying the state
-``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg from the intra kernel::
+``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg from the WY kernel::
 
     h_c   = S                                   (stored for the output kernel)
     v_new = u - w S

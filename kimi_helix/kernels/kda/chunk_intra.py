@@ -93,8 +93,8 @@ def _store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD
 @triton.jit
 def _unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower-triangular [BC, BC] A (BC <= 32): with N = -A nilpotent, the inverse is
-    sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (measured on an
-    H200: the forward substitution took 60% of the chunk-wide intra kernel, the products 25%)."""
+    sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (on an H200 the
+    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this; ablate_kda_intra.jsonl)."""
     o_c = tl.arange(0, BC)
     P = -A
     X = tl.where(o_c[:, None] == o_c[None, :], 1.0, P)

@@ -49,7 +49,7 @@ def kda_chunk_output_kernel(
     b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC)
-    # the intra kernel leaves Aqk above the diagonal and past the sequence end unwritten
+    # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
     b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
     m_tv = m_t[:, None] & m_v[None, :]
