@@ -48,7 +48,7 @@ def _diag_exact(q, k, G, r0, m, T, H: tl.constexpr, K: tl.constexpr, BC: tl.cons
 
 
 @triton.jit
-def _diag_finish(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _scale_diag(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Scales and masks a diagonal block's unscaled dots: stores A_qk (lower, diagonal included), returns
     beta * A_kk (strictly lower)."""
     o_c = tl.arange(0, BC)
@@ -104,7 +104,7 @@ def _finish_diag(q, k, G, Aqk, D_qk, D_kk, spread, r0, rq, rk, b_b, T, scale, H:
     m = (r0 + tl.arange(0, BC)) < T
     if spread > MAX_SPREAD:
         D_kk, D_qk = _diag_exact(q, k, G, r0, m, T, H, K, BC, BKS)
-    return _unit_lower_inverse(_diag_finish(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, scale, H, BT, BC), BC)
+    return _unit_lower_inverse(_scale_diag(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, scale, H, BT, BC), BC)
 
 
 @triton.jit
