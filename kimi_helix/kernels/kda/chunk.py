@@ -68,11 +68,13 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # H200 at T=8192, H=64 (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4
 # warps and 3 stages 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms),
 # the block kernel for every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block
-# kernel does best at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is
-# sequential over chunks, so narrow programs (many of them) beat wide ones there.
+# kernel does best at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The WY kernel
+# moves about 1.2 GB there at about 2.5 TB/s with two 8-warp programs an SM; WY["split"] gives each column slice
+# its own program instead (more in flight), not yet timed on a GPU, so off. The state pass is sequential over
+# chunks, so narrow programs (many of them) beat wide ones there.
 INTRA = dict(wide=True, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
-WY = dict(BS=32, num_warps=8, num_stages=3)
+WY = dict(split=False, BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
@@ -177,10 +179,12 @@ def chunk_kda(
             *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"], num_warps=BLOCKS["num_warps"],
             num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
-        kda_chunk_wy_kernel[(NT, H)](
+        BS = _fit(WY["BS"], max(K, V))
+        slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
+        kda_chunk_wy_kernel[(NT, H, slices)](
             q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
-            H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,
-            DOT_PREC=dot_prec, num_warps=WY["num_warps"], num_stages=WY["num_stages"],
+            H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
+            SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip
     BV = _fit(STATE["BV"], V)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
