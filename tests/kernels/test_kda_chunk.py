@@ -1,7 +1,7 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
 fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong gates, both
-intra paths (chunk-wide with its per-chunk fallback, and blocks only); bf16 at real shapes and fla parity on the
-GPU; plus the prefill benchmark's smoke run."""
+intra paths (chunk-wide with its per-chunk fallback, and blocks only), both WY launch shapes; bf16 at real shapes
+and fla parity on the GPU; plus the prefill benchmark's smoke run."""
 
 from __future__ import annotations
 
