@@ -36,14 +36,15 @@ def _grid(**axes) -> list[dict]:
 
 
 CANDIDATES = {
-    "INTRA": _grid(wide=[True], BKS=[16, 32], num_warps=[4, 8], num_stages=[1, 2, 3]) + [dict(chunk.INTRA, wide=False)],
+    "INTRA": _grid(wide=[True], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
+    + [dict(chunk.INTRA, wide=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3]),
     "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
     "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
-    "INTRA": _grid(wide=[True, False], BKS=[16], num_warps=[4], num_stages=[1]),
+    "INTRA": _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1]),
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1]),
     "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1]),
     "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),

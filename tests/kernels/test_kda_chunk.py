@@ -1,7 +1,7 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
-fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong gates, both
-intra paths (chunk-wide with its per-chunk fallback, and blocks only), both WY launch shapes; bf16 at real shapes
-and fla parity on the GPU; plus the prefill benchmark's smoke run."""
+fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong and steadily
+strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, blocks only), both WY
+launch shapes; bf16 at real shapes and fla parity on the GPU; plus the prefill benchmark's smoke run."""
 
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, d
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-@pytest.fixture(params=[True, False], ids=["wide", "blocks"])
+@pytest.fixture(params=[(True, False), (True, True), (False, False)], ids=["wide", "halves", "blocks"])
 def intra_path(request, monkeypatch):
-    """Both intra paths: the chunk-wide kernel first (falling back per chunk), or the block kernel for every chunk
-    (chunk.INTRA["wide"])."""
+    """Every intra path: the chunk-wide kernel first (falling back per chunk to the block kernel), with or without
+    its per-half relaunch in between, or the block kernel for every chunk (chunk.INTRA["wide"], ["halves"])."""
     from kimi_helix.kernels.kda import chunk
 
-    monkeypatch.setitem(chunk.INTRA, "wide", request.param)
+    monkeypatch.setitem(chunk.INTRA, "wide", request.param[0])
+    monkeypatch.setitem(chunk.INTRA, "halves", request.param[1])
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])
@@ -166,6 +167,24 @@ def test_strong_gates_stay_finite(chunk_size):
     tol = 1e-5 if chunk_size == 16 else 1e-4
     assert_rel_close("o", o, o_r, tol)
     assert_rel_close("final_state", s, s_r, tol)
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+@pytest.mark.usefixtures("intra_path")
+def test_steady_strong_decay(chunk_size):
+    """Log-decays near -4 per token on a quarter of the channels of every token: a whole chunk spans more than the
+    chunk-wide factorisation allows, each half chunk does not (the regime of the per-half relaunch)."""
+    T = 136
+    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=29, h=1)
+    gen = torch.Generator().manual_seed(1)
+    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
+    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
+    g = g.to(DEVICE)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    assert_rel_close("o", o, o_r, 1e-5)
+    assert_rel_close("final_state", s, s_r, 1e-5)
 
 
 def test_bad_arguments_raise():

@@ -5,7 +5,7 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
 
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
 2. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
-   the decays, where the chunk's gates allow it;
+   the decays, where the chunk's gates allow it (optionally relaunched with a pivot per half chunk);
 3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
@@ -63,16 +63,21 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
 # the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
-# program of the state and output kernels. INTRA["wide"] runs the chunk-wide factorisation first and leaves only
-# the chunks it cannot take to the block kernel; without it the block kernel does every chunk. Whole prefill on an
-# H200 at T=8192, H=64 (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4
-# warps and 3 stages 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms),
-# the block kernel for every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block
-# kernel does best at BKS=16 with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The WY kernel
-# moves about 1.2 GB there at about 2.5 TB/s with two 8-warp programs an SM; WY["split"] gives each column slice
-# its own program instead (more in flight), not yet timed on a GPU, so off. The state pass is sequential over
-# chunks, so narrow programs (many of them) beat wide ones there.
-INTRA = dict(wide=True, BKS=32, num_warps=4, num_stages=3)
+# program of the state and output kernels.
+#
+# INTRA["wide"] runs the chunk-wide factorisation first and leaves only the chunks it cannot take to the block
+# kernel; without it the block kernel does every chunk. Whole prefill on an H200 at T=8192, H=64
+# (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4 warps and 3 stages
+# 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms), the block kernel for
+# every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block kernel does best at BKS=16
+# with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is sequential over chunks, so
+# narrow programs (many of them) beat wide ones there.
+#
+# Not yet timed on a GPU, so off: INTRA["halves"] relaunches the chunk-wide kernel on the chunks it left with a
+# pivot per half chunk, before the block kernel (for bounded gates: the bound -5 benchmark sends nearly every chunk
+# to the block kernel, 809 us); WY["split"] gives each WY column slice its own program (the WY kernel moves about
+# 1.2 GB at about 2.5 TB/s with two 8-warp programs an SM).
+INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(split=False, BS=32, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
@@ -170,11 +175,11 @@ def chunk_kda(
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
+        wide = dict(BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"])
         if INTRA["wide"]:
-            kda_chunk_intra_kernel[(NT, H)](
-                *args, **common, BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"],
-                num_stages=INTRA["num_stages"],
-            )  # fmt: skip
+            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=False)
+        if INTRA["wide"] and INTRA["halves"]:
+            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
         kda_chunk_intra_blocks_kernel[(NT, H)](
             *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"], num_warps=BLOCKS["num_warps"],
             num_stages=BLOCKS["num_stages"],

@@ -6,9 +6,9 @@ are kept in log2 units (``G = cumsum(g) / ln 2``) so every decay is one ``exp2``
 the pairwise decay ``exp2(G_i - G_j)`` per key dimension; ``kda_chunk_intra_kernel`` factors it around a pivot c
 halfway between the chunk's first and last decay, ``exp2(G_i - c) exp2(c - G_j)``, so that two ``[BT, BT]``
 tensor-core dots per column slice give every entry. Both factors are bounded by the decay spread around c; a
-chunk whose spread exceeds ``MAX_SPREAD`` (a gate strong enough to overflow a factor) is flagged, and
-``kda_chunk_intra_blocks_kernel`` (chunk_intra_blocks.py) redoes it with a pivot inside every 16-row block, exactly
-for any gate.
+chunk whose spread exceeds ``MAX_SPREAD`` (a gate strong enough to overflow a factor) is flagged; an optional
+second launch takes the flagged chunks with a pivot per half chunk, and ``kda_chunk_intra_blocks_kernel``
+(chunk_intra_blocks.py) redoes what is left with a pivot inside every 16-row block, exactly for any gate.
 
 ``(I + A_kk)^-1`` comes from the 16x16 diagonal blocks, inverted as products of powers, and block products below
 them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads.
@@ -164,11 +164,19 @@ def kda_chunk_intra_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
     q and k and beta applied to the dot results. Writes wide_ok[chunk, head] = 1 when done; 0 (nothing else
-    stored) when the decay spread is too wide, for the block kernel to take over."""
+    stored) when the decay spread is too wide, for the block kernel to take over.
+
+    HALVES is a second launch for the chunks the first left: each half of the chunk is factored around its own mid
+    decay, and the rows of the second half against the columns of the first around the decay at the boundary row,
+    where both factors are decays; so only each half's spread has to fit."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
+    if HALVES:  # noqa: SIM102 - a constexpr test: without it the flag is never loaded
+        if tl.load(wide_ok + i_c * H + i_h) != 0:
+            return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so row indices are chunk-relative and offsets small
     q += t0 * (H * K) + i_h * K
@@ -182,25 +190,50 @@ def kda_chunk_intra_kernel(
     S = H * BT
     o_t = tl.arange(0, BT)
     m_t = o_t < T
+    HALF: tl.constexpr = BT // 2
+    hi = o_t >= HALF  # rows (and columns) of the second half
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    X_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    X_kk = tl.zeros([BT, BT], dtype=tl.float32)
     sq = tl.zeros([BT], dtype=tl.float32)
     sk = tl.zeros([BT], dtype=tl.float32)
     spread = tl.zeros([BT, BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
-        # the pivot halfway between the chunk's first and last decay halves the spread of a monotone G
-        g_mid = 0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, T - 1, c, HK, K, BKS))
-        b_d = _tile(G, 0, c, T, K, HK, BT, BKS) - g_mid[None, :]
+        b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
+        g_last = _row(G, T - 1, c, HK, K, BKS)
+        # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
+        if HALVES:
+            g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
+            g_lo = 0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS))
+            b_d = b_g - tl.where(hi[:, None], 0.5 * (g_h + g_last)[None, :], g_lo[None, :])
+        else:
+            b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
         spread = tl.maximum(spread, tl.where(m_t[:, None], tl.abs(b_d), 0.0))
-        # Entries above the diagonal may overflow here; `where` discards them below.
+        # Entries above the diagonal (and, with HALVES, between the halves) may overflow here; `where` discards
+        # them below.
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
         kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
         A_qk = tl.dot(b_q * e, kt, A_qk, input_precision=DOT_PREC)
         A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
+        if HALVES:
+            # second-half rows against first-half columns; the factors exceed 1 only for a non-monotone G
+            b_x = b_g - g_h[None, :]
+            x_hi = (m_t & hi)[:, None]
+            x_lo = (m_t & (o_t < HALF))[:, None]
+            spread = tl.maximum(spread, tl.maximum(tl.where(x_hi, b_x, 0.0), tl.where(x_lo, -b_x, 0.0)))
+            ex = tl.exp2(tl.where(x_hi, b_x, -float("inf")))
+            kx = tl.trans(b_k * tl.exp2(tl.where(x_lo, -b_x, -float("inf"))))
+            X_qk = tl.dot(b_q * ex, kx, X_qk, input_precision=DOT_PREC)
+            X_kk = tl.dot(b_k * ex, kx, X_kk, input_precision=DOT_PREC)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
+    if HALVES:
+        same = hi[:, None] == hi[None, :]
+        A_qk = tl.where(same, A_qk, X_qk)
+        A_kk = tl.where(same, A_kk, X_kk)
     ok = tl.max(tl.max(spread, axis=1), axis=0) <= MAX_SPREAD
     tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
     if ok:
