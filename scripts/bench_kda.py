@@ -38,6 +38,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
 from bench_common import JsonlWriter, bench_ms, copy_tbps, run_metadata  # noqa: E402
 
+from kimi_helix.kernels.kda import chunk as kda_chunk  # noqa: E402
 from kimi_helix.kernels.kda import fused_recurrent as fr  # noqa: E402
 from kimi_helix.kernels.kda.chunk import chunk_kda  # noqa: E402
 from kimi_helix.kernels.kda.naive import kda_gate  # noqa: E402
@@ -108,6 +109,8 @@ def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdo
     for name, fn in backends.items():
         ms = bench_ms(fn, device, cpu_reps=2)
         row = dict(phase="prefill", T=T, H=H, K=D, V=D, dtype=str(dtype).removeprefix("torch."), backend=name, ms=ms)
+        if name.startswith("triton"):  # the launch tables the row was measured with
+            row["launch"] = {t: dict(getattr(kda_chunk, t)) for t in ("INTRA", "BLOCKS", "WY", "STATE", "OUTPUT")}
         row["tflops"] = prefill_flops(T, H, D, D) / ms / 1e9
         if breakdown and device.type == "cuda":
             row["kernels_us"] = kernel_breakdown(fn)
