@@ -1,6 +1,7 @@
 """Sweep the launch parameters of the Triton KDA prefill's chunk-parallel kernels on a GPU.
 
     python scripts/tune_kda_prefill.py --out $OUT     # T=8192, H=64, K=V=128, bf16 (the target case)
+    python scripts/tune_kda_prefill.py --out $OUT --tables INTRA --lower-bound -5   # the bounded (K3) gate
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
 One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the
@@ -52,10 +53,15 @@ SMOKE_CANDIDATES = {
 }
 
 
-def make_call(T: int, H: int, D: int, dtype, device):
+def make_call(T: int, H: int, D: int, lower_bound: float | None, dtype, device):
+    """The timed call: bench_kda's prefill inputs with the decay g given (lower_bound None), or with the bounded
+    gate computed in the kernel from the raw pre-activation, as bench_kda's `triton_gate` backend runs it."""
     x = prefill_inputs(T, H, D, dtype, device)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    return lambda: chunk.chunk_kda(*args, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if lower_bound is None:
+        return lambda: chunk.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=lower_bound)
+    return lambda: chunk.chunk_kda(x["q"], x["k"], x["v"], x["f"], x["beta"], **gate, **kw)
 
 
 def _compile(job) -> str | None:
@@ -77,11 +83,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None, help="directory for tune_kda_prefill.jsonl (none: no file)")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--H", type=int, default=64)
+    ap.add_argument("--lower-bound", type=float, default=None, help="time the in-kernel bounded gate, not a given g")
     ap.add_argument("--tables", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype, shape = (torch.float16, (40, 2, 16)) if args.smoke else (torch.bfloat16, (args.T, args.H, 128))
+    if args.lower_bound is not None and not args.lower_bound < 0:
+        ap.error(f"--lower-bound must be negative, got {args.lower_bound}")
+    dims = (40, 2, 16) if args.smoke else (args.T, args.H, 128)
+    dtype, shape = (torch.float16 if args.smoke else torch.bfloat16), (*dims, args.lower_bound)
     cands = SMOKE_CANDIDATES if args.smoke else CANDIDATES
     jobs = [(t, c, shape) for t in args.tables for c in cands[t]]
     errors = {}
@@ -98,7 +108,8 @@ def main(argv=None) -> list[dict]:
         for table in args.tables:
             timed = []
             for cfg in cands[table]:
-                rec = dict(run_metadata(), T=shape[0], H=shape[1], K=shape[2], table=table, config=cfg, ms=None,
+                rec = dict(run_metadata(), T=shape[0], H=shape[1], K=shape[2], lower_bound=shape[3], table=table,
+                           config=cfg, ms=None,
                            error=errors.get((table, str(cfg))))  # fmt: skip
                 if rec["error"] is None:
                     setattr(chunk, table, cfg)

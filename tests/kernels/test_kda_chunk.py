@@ -222,9 +222,9 @@ def test_tune_smoke(tmp_path):
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
     committed = {t: getattr(chunk, t) for t in tune.CANDIDATES}
-    tune.main(["--smoke", "--out", str(tmp_path)])
+    tune.main(["--smoke", "--out", str(tmp_path), "--lower-bound", "-5"])  # the bounded gate, computed in the kernel
     rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
-    assert rows and all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    assert rows and all(r["error"] is None and r["ms"] > 0 and r["lower_bound"] == -5 for r in rows), rows
     assert {r["table"] for r in rows} == set(tune.CANDIDATES)
     assert {t: getattr(chunk, t) for t in tune.CANDIDATES} == committed  # settings restored
 
