@@ -33,6 +33,14 @@ def _chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
 
 
 @triton.jit
+def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """The intra kernels' pointers moved to token t0 and head i_h, so row indices are chunk-relative and offsets
+    small."""
+    return (q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, G + t0 * (H * K) + i_h * K, beta + t0 * H + i_h,
+            Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h)  # fmt: skip
+
+
+@triton.jit
 def kda_chunk_gate_kernel(
     g,
     G,
@@ -111,6 +119,30 @@ def _neg_dot(a, b, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _merge_row1(Ai00, Ai11, A10, DOT_PREC: tl.constexpr):
+    """Block (1, 0) of (I + A)^-1 from the inverted diagonal blocks and A's block: -Ai11 A10 Ai00."""
+    return _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
+
+
+@triton.jit
+def _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC: tl.constexpr):
+    """Blocks (2, 0) and (2, 1) of (I + A)^-1: -Ai22 sum_{j<=m<2} A2m Ai_mj."""
+    Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
+    b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
+    return _neg_dot(Ai22, b_s, DOT_PREC), Ai21
+
+
+@triton.jit
+def _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC: tl.constexpr):
+    """Blocks (3, 0), (3, 1) and (3, 2) of (I + A)^-1: -Ai33 sum_{j<=m<3} A3m Ai_mj."""
+    Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
+    b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
+    Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
+    b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
+    return _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC), Ai31, Ai32
+
+
+@triton.jit
 def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
     """Completes Ai = (I + A)^-1 of one chunk in place (row stride S): given the inverted diagonal blocks and the A
     blocks below them, each block below the diagonal becomes Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Only blocks on
@@ -118,15 +150,13 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
     if BT > BC:
         Ai00 = _tile(Ai, 0, 0, T, BT, S, BC, BC)
         Ai11 = _tile(Ai, BC, BC, T, BT, S, BC, BC)
-        Ai10 = _neg_dot(Ai11, tl.dot(_tile(Ai, BC, 0, T, BT, S, BC, BC), Ai00, input_precision=DOT_PREC), DOT_PREC)
+        Ai10 = _merge_row1(Ai00, Ai11, _tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PREC)
         _store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
         A20 = _tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
         A21 = _tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
         Ai22 = _tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
-        Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
-        b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
-        Ai20 = _neg_dot(Ai22, b_s, DOT_PREC)
+        Ai20, Ai21 = _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC)
         _store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
         _store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
 
@@ -134,11 +164,7 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
         A31 = _tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
         A32 = _tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
         Ai33 = _tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
-        Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
-        b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
-        Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
-        b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
-        Ai30 = _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC)
+        Ai30, Ai31, Ai32 = _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC)
         _store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
         _store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
         _store_tile(Ai, Ai30, 3 * BC, 0, T, BT, S, BC, BC)
@@ -178,14 +204,7 @@ def kda_chunk_intra_kernel(
         if tl.load(wide_ok + i_c * H + i_h) != 0:
             return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    # pointers start at the chunk, so row indices are chunk-relative and offsets small
-    q += t0 * (H * K) + i_h * K
-    k += t0 * (H * K) + i_h * K
-    G += t0 * (H * K) + i_h * K
-    beta += t0 * H + i_h
-    Aqk += t0 * (H * BT) + i_h * BT
-    Ai += t0 * (H * BT) + i_h * BT
-    rnorm += t0 * (2 * H) + 2 * i_h
+    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)

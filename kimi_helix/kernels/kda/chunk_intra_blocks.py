@@ -14,8 +14,11 @@ import triton.language as tl
 
 from kimi_helix.kernels.kda.chunk_intra import (
     MAX_SPREAD,
+    _at_chunk,
     _chunk_span,
-    _neg_dot,
+    _merge_row1,
+    _merge_row2,
+    _merge_row3,
     _row,
     _store_tile,
     _tile,
@@ -160,13 +163,7 @@ def kda_chunk_intra_blocks_kernel(
         if tl.load(wide_ok + i_c * H + i_h) != 0:
             return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q += t0 * (H * K) + i_h * K
-    k += t0 * (H * K) + i_h * K
-    G += t0 * (H * K) + i_h * K
-    beta += t0 * H + i_h
-    Aqk += t0 * (H * BT) + i_h * BT
-    Ai += t0 * (H * BT) + i_h * BT
-    rnorm += t0 * (2 * H) + 2 * i_h
+    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
     Z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -211,7 +208,7 @@ def kda_chunk_intra_blocks_kernel(
         rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, r1, T, H, BC, L2NORM)
         Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, scale, H, K, BT, BC, BKS)
         A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, scale, H, BT, BC)
-        Ai10 = _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
+        Ai10 = _merge_row1(Ai00, Ai11, A10, DOT_PREC)
         _store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
@@ -219,9 +216,7 @@ def kda_chunk_intra_blocks_kernel(
         Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, scale, H, K, BT, BC, BKS)
         A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, scale, H, BT, BC)
         A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, scale, H, BT, BC)
-        Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
-        b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
-        Ai20 = _neg_dot(Ai22, b_s, DOT_PREC)
+        Ai20, Ai21 = _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC)
         _store_tile(Ai, Ai22, r2, r2, T, BT, S, BC, BC)
         _store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
@@ -231,11 +226,7 @@ def kda_chunk_intra_blocks_kernel(
         A30 = _finish_pair(Aqk, A30q, A30k, r3, 0, rq3, rk3, b3, rk0, T, scale, H, BT, BC)
         A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, scale, H, BT, BC)
         A32 = _finish_pair(Aqk, A32q, A32k, r3, r2, rq3, rk3, b3, rk2, T, scale, H, BT, BC)
-        Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
-        b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
-        Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
-        b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
-        Ai30 = _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC)
+        Ai30, Ai31, Ai32 = _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC)
         _store_tile(Ai, Ai33, r3, r3, T, BT, S, BC, BC)
         _store_tile(Ai, Ai32, r3, r2, T, BT, S, BC, BC)
         _store_tile(Ai, Ai31, r3, r1, T, BT, S, BC, BC)
