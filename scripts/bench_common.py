@@ -7,7 +7,9 @@ they add it themselves when loaded by path, as the tests do).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -17,7 +19,7 @@ from typing import TextIO
 
 import torch
 
-__all__ = ["JsonlWriter", "bench_ms", "copy_tbps", "git_commit", "matmul_tflops", "run_metadata"]
+__all__ = ["JsonlWriter", "bench_ms", "copy_tbps", "git_commit", "matmul_tflops", "precompile", "run_metadata"]
 
 
 def git_commit() -> str:
@@ -59,6 +61,24 @@ def bench_ms(fn, device: torch.device | str, graph: bool = False, cpu_reps: int 
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def precompile(worker, jobs: list, processes: int, device: torch.device | str) -> list[str | None]:
+    """Runs worker(job) for every job in a pool of spawned processes, so that Triton compiles (and caches on disk)
+    every variant before a timing pass; returns each job's error as text, None where it ran. Off the GPU, or with
+    one process, nothing runs and every entry is None."""
+    if processes <= 1 or torch.device(device).type != "cuda":
+        return [None] * len(jobs)
+    with mp.get_context("spawn").Pool(processes) as pool:
+        return pool.map(functools.partial(_error_of, worker), jobs, chunksize=1)
+
+
+def _error_of(worker, job) -> str | None:
+    try:
+        worker(job)
+    except Exception as err:  # a variant that does not fit is recorded, not fatal
+        return f"{type(err).__name__}: {str(err)[:200]}"
+    return None
 
 
 def copy_tbps(device: torch.device | str, gib: float = 1) -> float:

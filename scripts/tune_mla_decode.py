@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import JsonlWriter, run_metadata  # noqa: E402
+from bench_common import JsonlWriter, precompile, run_metadata  # noqa: E402
 from bench_mla import KV_DTYPES, KV_LORA, ROPE, Cache  # noqa: E402
 
 from kimi_helix.kernels.mla import decode  # noqa: E402
@@ -86,21 +85,17 @@ def parse_case(text: str) -> tuple:
     return (*map(int, dims), kv)
 
 
-def _compile(job) -> str | None:
-    """Worker: run one (case, schedule) once so that Triton compiles and caches it; returns an error or None."""
+def _compile(job) -> None:
+    """Worker: run one (case, schedule) once so that Triton compiles and caches it."""
     case, sched, smoke = job
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if smoke else torch.bfloat16
     b, h, s_q, s_k, kv = case
     decode.SCHEDULES[tile_key(case)] = sched
-    try:
-        # the case's own shapes: Triton specialises on strides (a block table of 160 pages is a multiple of 16)
-        cache = Cache(b, s_k, kv, device, dtype)
-        for splits in (1, 3):  # both the single-pass and the split-KV variant of the kernel
-            make_call(cache, b, h, s_q, device, dtype, splits)()
-    except Exception as err:  # a schedule that does not fit is recorded, not fatal
-        return f"{type(err).__name__}: {str(err)[:200]}"
-    return None
+    # the case's own shapes: Triton specialises on strides (a block table of 160 pages is a multiple of 16)
+    cache = Cache(b, s_k, kv, device, dtype)
+    for splits in (1, 3):  # both the single-pass and the split-KV variant of the kernel
+        make_call(cache, b, h, s_q, device, dtype, splits)()
 
 
 def time_ms(fn, device, smoke: bool) -> float:
@@ -126,11 +121,7 @@ def main(argv=None) -> list[dict]:
     if args.cases:
         cases = args.cases
     jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke)]
-    if args.jobs > 1 and device.type == "cuda":
-        with mp.get_context("spawn").Pool(args.jobs) as pool:
-            errors = dict(zip(((c, s) for c, s, _ in jobs), pool.map(_compile, jobs, chunksize=1)))
-    else:
-        errors = {(c, s): None for c, s, _ in jobs}
+    errors = dict(zip(((c, s) for c, s, _ in jobs), precompile(_compile, jobs, args.jobs, device)))
 
     meta = run_metadata()
     best = {}
