@@ -1,24 +1,21 @@
 """Triton chunked KDA prefill: varlen, state pool, gate and L2 norm in the kernels.
 
-Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by five kernels over
+Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by six kernels over
 packed tokens (a plain batch is packed as ``B`` equal sequences):
 
-1. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
+1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
+2. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
    the decays, where the chunk's gates allow it (optionally relaunched with a pivot per half chunk);
-2. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
-3. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u``, the decayed k and each chunk's last cumulative decay;
-4. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
-5. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
+3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
+4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
+5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
+6. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
 
-The in-chunk cumulative log-decay ``G`` (fp32, log2 units; with the optional gate activation) is recomputed from g
-by each kernel that needs it and stored only for the chunks the block kernel takes (``kda_chunk_gate_kernel``
-stores it for every chunk when the chunk-wide kernel is switched off).
-
-Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the chunks' last decays, the
-``(I + A)^-1`` scratch and the carried state, which are fp32. Every decay factor is bounded: outside the intra
-stage they are exponentials of non-positive numbers (the log-decay ``g`` is <= 0 for the KDA gate), and inside it
-factors stay within ``2^MAX_SPREAD`` or the chunk takes the exact path, so strong forget gates cannot overflow.
-``cu_seqlens`` is read on the host: pass it on the CPU to avoid a device sync.
+Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
+carried state, which are fp32. Every decay factor is bounded: outside the intra stage they are exponentials of
+non-positive numbers (the log-decay ``g`` is <= 0 for the KDA gate), and inside it factors stay within
+``2^MAX_SPREAD`` or the chunk takes the exact path, so strong forget gates cannot overflow. ``cu_seqlens`` is read
+on the host: pass it on the CPU to avoid a device sync.
 """
 
 from __future__ import annotations
@@ -155,16 +152,13 @@ def chunk_kda(
     BK = max(16, triton.next_power_of_2(K))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
-    # G is written only for chunks that the chunk-wide kernel leaves to the block kernel (every chunk without it);
-    # the other kernels recompute it from g
     G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    g_last = torch.empty(NT, H, K, dtype=torch.float32, device=q.device)  # each chunk's last G, for the state pass
-    w, kg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(2))
+    w, kg, qg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(3))
     u, v_new, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(3))
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
     wide_ok = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # chunks the chunk-wide intra kernel did
-    rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # 1/|q|, 1/|k| for later kernels
+    rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # 1/|q|, 1/|k| for the WY kernel
     h = torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
     if not output_final_state:
         final_state = None
@@ -173,34 +167,33 @@ def chunk_kda(
     else:
         final_state = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
 
-    gated = A_log is not None
-    gate = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if gated else (None, None)
-    gate = (g, *gate, lower_bound or 0.0)  # what _gate_cumsum needs to recompute G
-    gate_flags = dict(GATE=gated, LOWER_BOUND=lower_bound is not None)
     if NT:
+        gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
+        kda_chunk_gate_kernel[(NT, H)](
+            g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
+            H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
+        )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
-        outs = (beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
+        args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
         wide = dict(BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"])
         if INTRA["wide"]:
-            kda_chunk_intra_kernel[(NT, H)](q, k, *gate, G, *outs, **common, **gate_flags, **wide, HALVES=False)
-            if INTRA["halves"]:
-                kda_chunk_intra_kernel[(NT, H)](q, k, *gate, G, *outs, **common, **gate_flags, **wide, HALVES=True)
-        else:
-            kda_chunk_gate_kernel[(NT, H)](*gate, G, cu, chunk_indices, H=H, K=K, BT=chunk_size, BK=BK, **gate_flags)
+            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=False)
+        if INTRA["wide"] and INTRA["halves"]:
+            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
         kda_chunk_intra_blocks_kernel[(NT, H)](
-            q, k, G, *outs, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"],
-            num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"],
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"], num_warps=BLOCKS["num_warps"],
+            num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
         BS = _fit(WY["BS"], max(K, V))
         slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
-            k, v, *gate, beta, Ai, rnorm, w, u, kg, g_last, cu, chunk_indices,
+            q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
             H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
-            **gate_flags, SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
+            SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip
     BV = _fit(STATE["BV"], V)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
-        w, u, kg, g_last, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
+        w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         USE_STATE_INDICES=state_indices is not None, DOT_PREC=dot_prec, num_warps=STATE["num_warps"],
@@ -209,8 +202,8 @@ def chunk_kda(
     if NT:
         BVo = _fit(OUTPUT["BV"], V)
         kda_chunk_output_kernel[(triton.cdiv(V, BVo), NT, H)](
-            q, *gate, rnorm, h, Aqk, v_new, o, cu, chunk_indices, scale,
-            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
-            **gate_flags, num_warps=OUTPUT["num_warps"], num_stages=OUTPUT["num_stages"],
+            qg, h, Aqk, v_new, o, cu, chunk_indices,
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=OUTPUT["num_warps"],
+            num_stages=OUTPUT["num_stages"],
         )  # fmt: skip
     return o, final_state

@@ -1,12 +1,11 @@
 """Inter-chunk state recurrence of the Triton KDA prefill: the only sequential stage.
 
 One program per (sequence, head, block of BV value columns) walks the chunks of its sequence carrying the state
-``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg and the chunk's last cumulative decay g_last from the WY
-kernel::
+``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg from the WY kernel::
 
     h_c   = S                                   (stored for the output kernel)
     v_new = u - w S
-    S     = exp(g_last) * S + kg^T v_new        (kg = exp(g_last - G) * k)
+    S     = exp(G_last) * S + kg^T v_new        (kg = exp(G_last - G) * k)
 
 The initial state is read from, and the final state written back to, either a per-sequence tensor ``[N, H, K, V]``
 or a slot of a state pool ``[slots, H, K, V]`` chosen by ``state_indices``.
@@ -23,7 +22,7 @@ def kda_chunk_state_kernel(
     w,
     u,
     kg,
-    g_last,
+    G,
     h,
     v_new,
     h0,
@@ -49,6 +48,7 @@ def kda_chunk_state_kernel(
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     w += bos * (H * K) + i_h * K
     kg += bos * (H * K) + i_h * K
+    G += bos * (H * K) + i_h * K
     u += bos * (H * V) + i_h * V
     v_new += bos * (H * V) + i_h * V
 
@@ -70,9 +70,8 @@ def kda_chunk_state_kernel(
         b_S = tl.load(h0 + (slot * H + i_h) * (K * V) + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
 
     h += (boh * H + i_h) * (K * V)
-    g_last += (boh * H + i_h) * K
     for i_t in range(tl.cdiv(T, BT)):
-        # w, u, kg, g_last and v_new point at the current chunk (advanced below), so in-chunk offsets stay small
+        # w, u, kg, G and v_new point at the current chunk (advanced below), so in-chunk offsets stay small
         m_t = o_t < T - i_t * BT
         tl.store(h + offs_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
@@ -82,13 +81,14 @@ def kda_chunk_state_kernel(
         b_v -= tl.dot(b_w, b_S.to(b_w.dtype), input_precision=DOT_PREC)
         tl.store(v_new + offs_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + offs_tk, mask=m_tk, other=0.0)
-        b_glast = tl.load(g_last + o_k, mask=m_k, other=0.0)
+        last = tl.minimum(T - i_t * BT, BT) - 1
+        b_glast = tl.load(G + last * (H * K) + o_k, mask=m_k, other=0.0)
         b_S = b_S * tl.exp2(b_glast)[:, None]
         b_S += tl.dot(tl.trans(b_kg), b_v.to(b_kg.dtype), input_precision=DOT_PREC)
         h += H * K * V
         w += BT * H * K
         kg += BT * H * K
-        g_last += H * K
+        G += BT * H * K
         u += BT * H * V
         v_new += BT * H * V
 

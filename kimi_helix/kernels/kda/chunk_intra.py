@@ -33,22 +33,22 @@ def _chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _at_chunk(q, k, g, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
     """The intra kernels' pointers moved to token t0 and head i_h, so row indices are chunk-relative and offsets
-    small (g: the gate input g or the stored G, which share a layout)."""
-    return (q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, g + t0 * (H * K) + i_h * K, beta + t0 * H + i_h,
+    small."""
+    return (q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, G + t0 * (H * K) + i_h * K, beta + t0 * H + i_h,
             Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h)  # fmt: skip
 
 
 @triton.jit
 def kda_chunk_gate_kernel(
     g,
+    G,
     A_log,
     dt_bias,
-    lower_bound,
-    G,
     cu_seqlens,
     chunk_indices,
+    lower_bound,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -56,45 +56,22 @@ def kda_chunk_gate_kernel(
     GATE: tl.constexpr,
     LOWER_BOUND: tl.constexpr,
 ):
-    """G of one chunk and head, for the block kernel when no chunk-wide launch runs (which writes G itself for the
-    chunks it leaves)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so offsets inside it are small
     base = t0 * (H * K) + i_h * K
-    b_g = _gate_cumsum(g + base, A_log, dt_bias, lower_bound, i_h, 0, T, H, K, BT, BK, GATE, LOWER_BOUND)
-    _store_tile(G + base, b_g, 0, 0, T, K, H * K, BT, BK)
-
-
-@triton.jit
-def _gate_cumsum(g, A_log, dt_bias, lower_bound, i_h, c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                 BS: tl.constexpr, GATE: tl.constexpr, LOWER_BOUND: tl.constexpr):  # fmt: skip
-    """Columns c .. c+BS of a chunk's cumulative log-decay in log2 units, G = cumsum(g) / ln 2, as an fp32
-    [BT, BS] tile; g points at the chunk's first row and head i_h. With GATE, g is the raw pre-activation f and
-    the decay is kda_gate(f, A_log, dt_bias, lower_bound). Rows past T repeat row T - 1, so every entry is finite
-    and no decay factor taken against the last row exceeds 1.
-
-    The kernels recompute G from g with this one function instead of sharing a stored G: reading a bf16 g moves
-    half the bytes of rereading an fp32 G, and G is then never written (on an H200 at T=8192, H=64 the gate
-    kernel alone took 137 us)."""
-    rows = tl.arange(0, BT)
-    x = _tile(g, 0, c, T, K, H * K, BT, BS)
+    x = _tile(g + base, 0, 0, T, K, H * K, BT, BK)
     if GATE:
-        cols = c + tl.arange(0, BS)
-        x = x + tl.load(dt_bias + i_h * K + cols, mask=cols < K, other=0.0)[None, :]
+        o_k = tl.arange(0, BK)
+        x = x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :]
         rate = tl.exp(tl.load(A_log + i_h))
         if LOWER_BOUND:
             x = lower_bound * tl.sigmoid(rate * x)
         else:
             # softplus with torch's threshold 20
             x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    return tl.cumsum(tl.where((rows < T)[:, None], x, 0.0), axis=0) * LOG2E
-
-
-@triton.jit
-def _pick_row(x, r, BR: tl.constexpr):
-    """Row r of a [BR, BD] register tile, as [BD]."""
-    return tl.sum(tl.where((tl.arange(0, BR) == r)[:, None], x, 0.0), axis=0)
+    # padding rows come after every valid row, so they never reach a stored cumulative sum
+    _store_tile(G + base, tl.cumsum(x, axis=0) * LOG2E, 0, 0, T, K, H * K, BT, BK)
 
 
 @triton.jit
@@ -197,10 +174,6 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
 def kda_chunk_intra_kernel(
     q,
     k,
-    g,
-    A_log,
-    dt_bias,
-    lower_bound,
     G,
     beta,
     Aqk,
@@ -217,13 +190,11 @@ def kda_chunk_intra_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    GATE: tl.constexpr,
-    LOWER_BOUND: tl.constexpr,
     HALVES: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
-    q and k and beta applied to the dot results; G comes from g (see _gate_cumsum). Writes wide_ok[chunk, head] =
-    1 when done; 0 when the decay spread is too wide, and then only the chunk's G, for the block kernel.
+    q and k and beta applied to the dot results. Writes wide_ok[chunk, head] = 1 when done; 0 (nothing else
+    stored) when the decay spread is too wide, for the block kernel to take over.
 
     HALVES is a second launch for the chunks the first left: each half of the chunk is factored around its own mid
     decay, and the rows of the second half against the columns of the first around the decay at the boundary row,
@@ -233,7 +204,7 @@ def kda_chunk_intra_kernel(
         if tl.load(wide_ok + i_c * H + i_h) != 0:
             return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, g, beta, Aqk, Ai, rnorm = _at_chunk(q, k, g, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
+    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)
@@ -250,15 +221,15 @@ def kda_chunk_intra_kernel(
     for c in range(0, K, BKS):
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
-        b_g = _gate_cumsum(g, A_log, dt_bias, lower_bound, i_h, c, T, H, K, BT, BKS, GATE, LOWER_BOUND)
-        g_last = _pick_row(b_g, T - 1, BT)
+        b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
+        g_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
         if HALVES:
-            g_h = _pick_row(b_g, tl.minimum(HALF, T - 1), BT)  # the decay at the boundary row
-            g_lo = 0.5 * (_pick_row(b_g, 0, BT) + _pick_row(b_g, tl.minimum(HALF - 1, T - 1), BT))
+            g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
+            g_lo = 0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS))
             b_d = b_g - tl.where(hi[:, None], 0.5 * (g_h + g_last)[None, :], g_lo[None, :])
         else:
-            b_d = b_g - (0.5 * (_pick_row(b_g, 0, BT) + g_last))[None, :]
+            b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
         spread = tl.maximum(spread, tl.where(m_t[:, None], tl.abs(b_d), 0.0))
         # Entries above the diagonal (and, with HALVES, between the halves) may overflow here; `where` discards
         # them below.
@@ -306,8 +277,3 @@ def kda_chunk_intra_kernel(
             _store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
         tl.debug_barrier()
         _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
-    else:
-        G += t0 * HK + i_h * K
-        for c in range(0, K, BKS):
-            b_g = _gate_cumsum(g, A_log, dt_bias, lower_bound, i_h, c, T, H, K, BT, BKS, GATE, LOWER_BOUND)
-            _store_tile(G, b_g, 0, c, T, K, HK, BT, BKS)

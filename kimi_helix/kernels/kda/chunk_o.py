@@ -1,8 +1,7 @@
 """Output stage of the Triton KDA prefill: every chunk in parallel, given the state at its start.
 
-``o = qg h_c + Aqk v_new`` per chunk, with ``qg = scale exp(G) q / |q|`` made here from q, g (G recomputed by
-chunk_intra._gate_cumsum) and the intra kernels' norms, the causal ``Aqk`` from the intra kernels, ``h_c`` and
-``v_new`` from the state kernel.
+``o = qg h_c + Aqk v_new`` per chunk, with ``qg = scale * exp(G) * q`` and the causal ``Aqk`` from the intra
+kernel, ``h_c`` and ``v_new`` from the state kernel.
 """
 
 from __future__ import annotations
@@ -10,41 +9,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _gate_cumsum, _tile
+from kimi_helix.kernels.kda.chunk_intra import _chunk_span
 
 
 @triton.jit
 def kda_chunk_output_kernel(
-    q,
-    g,
-    A_log,
-    dt_bias,
-    lower_bound,
-    rnorm,
+    qg,
     h,
     Aqk,
     v_new,
     o,
     cu_seqlens,
     chunk_indices,
-    scale,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    GATE: tl.constexpr,
-    LOWER_BOUND: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # pointers start at the chunk, so in-chunk offsets stay small
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q += t0 * (H * K) + i_h * K
-    g += t0 * (H * K) + i_h * K
-    rnorm += t0 * (2 * H) + 2 * i_h
+    qg += t0 * (H * K) + i_h * K
     Aqk += t0 * (H * BT) + i_h * BT
     v_new += t0 * (H * V) + i_h * V
     o += t0 * (H * V) + i_h * V
@@ -58,13 +46,9 @@ def kda_chunk_output_kernel(
     m_k = o_k < K
     m_v = o_v < V
 
-    rq = tl.full([BT], scale, tl.float32)
-    if L2NORM:  # 1/|q| from the intra kernels
-        rq *= tl.load(rnorm + o_t * (2 * H), mask=m_t, other=1.0)
-    b_g = _gate_cumsum(g, A_log, dt_bias, lower_bound, i_h, 0, T, H, K, BT, BK, GATE, LOWER_BOUND)
-    b_qg = _tile(q, 0, 0, T, K, H * K, BT, BK) * rq[:, None] * tl.exp2(b_g)
+    b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_o = tl.dot(b_qg.to(b_h.dtype), b_h, input_precision=DOT_PREC)
+    b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC)
     # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
     b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
