@@ -6,7 +6,8 @@ Per chunk and head, with ``Ai = (I + A)^-1`` (fp32 scratch) and k, q L2-normalis
     kg = exp(G_last - G) k         qg = scale exp(G) q
 
 computed in column slices of ``BS`` so that only ``[BT, BS]`` tiles and the ``[BT, BT]`` inverse are live, by one
-program per chunk or one per slice.
+program per chunk or one per slice. The dots take their operands in the input dtype (fp32 accumulation), as fla's
+``recompute_w_u`` does: fp32 operands cost tf32 conversions, twice the registers and half the tensor-core rate.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ def _wy_k_slice(q, k, G, b_Ai, b_b, rq, rk, w, kg, qg, c, T, scale, H: tl.conste
     b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
     _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
     _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
-    _store_tile(w, tl.dot(b_Ai, b_k * b_eg * b_b[:, None], input_precision=DOT_PREC), 0, c, T, K, HK, BT, BS)
+    b_kb = (b_k * b_eg * b_b[:, None]).to(b_Ai.dtype)
+    _store_tile(w, tl.dot(b_Ai, b_kb, input_precision=DOT_PREC), 0, c, T, K, HK, BT, BS)
 
 
 @triton.jit
 def _wy_v_slice(v, b_Ai, b_b, u, c, T, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
                 DOT_PREC: tl.constexpr):  # fmt: skip
     """Columns c .. c+BS of u."""
-    b_u = tl.dot(b_Ai, _tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None], input_precision=DOT_PREC)
+    b_vb = (_tile(v, 0, c, T, V, H * V, BT, BS) * b_b[:, None]).to(b_Ai.dtype)
+    b_u = tl.dot(b_Ai, b_vb, input_precision=DOT_PREC)
     _store_tile(u, b_u, 0, c, T, V, H * V, BT, BS)
 
 
@@ -82,7 +85,7 @@ def kda_chunk_wy_kernel(
     o_t = tl.arange(0, BT)
     m_t = o_t < T
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
-    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0).to(w.dtype.element_ty)
     b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     rq = tl.full([BT], 1.0, tl.float32)
     rk = tl.full([BT], 1.0, tl.float32)
