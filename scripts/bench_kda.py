@@ -110,7 +110,8 @@ def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdo
         ms = bench_ms(fn, device, cpu_reps=2)
         row = dict(phase="prefill", T=T, H=H, K=D, V=D, dtype=str(dtype).removeprefix("torch."), backend=name, ms=ms)
         if name.startswith("triton"):  # the launch tables the row was measured with
-            row["launch"] = {t: dict(getattr(kda_chunk, t)) for t in ("INTRA", "BLOCKS", "WY", "STATE", "OUTPUT")}
+            intra = "INTRA" if name == "triton" else "INTRA_BOUNDED"
+            row["launch"] = {t: dict(getattr(kda_chunk, t)) for t in (intra, "BLOCKS", "WY", "STATE", "OUTPUT")}
         row["tflops"] = prefill_flops(T, H, D, D) / ms / 1e9
         if breakdown and device.type == "cuda":
             row["kernels_us"] = kernel_breakdown(fn)

@@ -1,12 +1,13 @@
 """Sweep the launch parameters of the Triton KDA prefill's chunk-parallel kernels on a GPU.
 
     python scripts/tune_kda_prefill.py --out $OUT     # T=8192, H=64, K=V=128, bf16 (the target case)
-    python scripts/tune_kda_prefill.py --out $OUT --tables INTRA --lower-bound -5   # the bounded (K3) gate
+    python scripts/tune_kda_prefill.py --out $OUT --tables INTRA_BOUNDED --lower-bound -5   # the bounded (K3) gate
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
 One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the
 others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call,
-as bench_kda.py calls it.
+as bench_kda.py calls it. The intra table is INTRA for a given decay and INTRA_BOUNDED for the bounded gate
+(--lower-bound); each is timed only with the gate that uses it.
 Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is shared). One JSON object
 per timing goes to <out>/tune_kda_prefill.jsonl; the best per kernel is printed last.
 """
@@ -38,6 +39,8 @@ def _grid(**axes) -> list[dict]:
 CANDIDATES = {
     "INTRA": _grid(wide=[True], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
     + [dict(chunk.INTRA, wide=False)],
+    "INTRA_BOUNDED": _grid(wide=[True], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
+    + [dict(chunk.INTRA_BOUNDED, wide=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3]),
     "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
     "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
@@ -45,6 +48,7 @@ CANDIDATES = {
 }
 SMOKE_CANDIDATES = {
     "INTRA": _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1]),
+    "INTRA_BOUNDED": _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1]),
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1]),
     "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1]),
     "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
@@ -78,12 +82,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--lower-bound", type=float, default=None, help="time the in-kernel bounded gate, not a given g")
-    ap.add_argument("--tables", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    ap.add_argument("--tables", nargs="+", choices=list(CANDIDATES), help="default: every table the gate uses")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.lower_bound is not None and not args.lower_bound < 0:
         ap.error(f"--lower-bound must be negative, got {args.lower_bound}")
+    unused = "INTRA" if args.lower_bound is not None else "INTRA_BOUNDED"
+    if args.tables is None:
+        args.tables = [t for t in CANDIDATES if t != unused]
+    elif unused in args.tables:
+        ap.error(f"--tables {unused} is not used " + ("with" if unused == "INTRA" else "without") + " --lower-bound")
     dims = (40, 2, 16) if args.smoke else (args.T, args.H, 128)
     dtype, shape = (torch.float16 if args.smoke else torch.bfloat16), (*dims, args.lower_bound)
     cands = SMOKE_CANDIDATES if args.smoke else CANDIDATES

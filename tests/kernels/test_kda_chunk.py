@@ -28,11 +28,13 @@ pytestmark = pytest.mark.usefixtures("nan_empty")
 @pytest.fixture(params=[(True, False), (True, True), (False, False)], ids=["wide", "halves", "blocks"])
 def intra_path(request, monkeypatch):
     """Every intra path: the chunk-wide kernel first (falling back per chunk to the block kernel), with or without
-    its per-half relaunch in between, or the block kernel for every chunk (chunk.INTRA["wide"], ["halves"])."""
+    its per-half relaunch in between, or the block kernel for every chunk (["wide"], ["halves"] of chunk.INTRA and,
+    for the bounded gate, chunk.INTRA_BOUNDED)."""
     from kimi_helix.kernels.kda import chunk
 
-    monkeypatch.setitem(chunk.INTRA, "wide", request.param[0])
-    monkeypatch.setitem(chunk.INTRA, "halves", request.param[1])
+    for table in (chunk.INTRA, chunk.INTRA_BOUNDED):
+        monkeypatch.setitem(table, "wide", request.param[0])
+        monkeypatch.setitem(table, "halves", request.param[1])
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])
@@ -225,7 +227,9 @@ def test_tune_smoke(tmp_path):
     tune.main(["--smoke", "--out", str(tmp_path), "--lower-bound", "-5"])  # the bounded gate, computed in the kernel
     rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
     assert rows and all(r["error"] is None and r["ms"] > 0 and r["lower_bound"] == -5 for r in rows), rows
-    assert {r["table"] for r in rows} == set(tune.CANDIDATES)
+    assert {r["table"] for r in rows} == set(tune.CANDIDATES) - {"INTRA"}  # INTRA_BOUNDED serves the bounded gate
+    with pytest.raises(SystemExit):
+        tune.main(["--smoke", "--tables", "INTRA", "--lower-bound", "-5"])
     assert {t: getattr(chunk, t) for t in tune.CANDIDATES} == committed  # settings restored
 
 

@@ -73,13 +73,18 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is sequential over chunks, so
 # narrow programs (many of them) beat wide ones there.
 #
-# Not yet timed on a GPU, so off: INTRA["halves"] relaunches the chunk-wide kernel on the chunks it left with a
-# pivot per half chunk, before the block kernel (for bounded gates: the bound -5 benchmark sends nearly every chunk
-# to the block kernel, 809 us); WY["split"] gives each WY column slice its own program (the WY kernel moves about
-# 1.2 GB at about 2.5 TB/s with two 8-warp programs an SM).
+# The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
+# against 1.61 at BS=32. INTRA["halves"] relaunches the chunk-wide kernel on the chunks it left with a pivot per half
+# chunk, before the block kernel; WY["split"] gives each WY column slice its own program. Both lost where timed
+# (split: 1.64 ms at best; halves below).
+#
+# INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
+# almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
+# (run 9): block kernel alone 1.89 ms, chunk-wide first 2.09, with the per-half relaunch 1.92.
 INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
+INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
-WY = dict(split=False, BS=32, num_warps=8, num_stages=3)
+WY = dict(split=False, BS=64, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
@@ -175,13 +180,14 @@ def chunk_kda(
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
-        wide = dict(BKS=_fit(INTRA["BKS"], K), num_warps=INTRA["num_warps"], num_stages=INTRA["num_stages"])
-        if INTRA["wide"]:
+        intra = INTRA if lower_bound is None else INTRA_BOUNDED
+        wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"])
+        if intra["wide"]:
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=False)
-        if INTRA["wide"] and INTRA["halves"]:
+        if intra["wide"] and intra["halves"]:
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
         kda_chunk_intra_blocks_kernel[(NT, H)](
-            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=INTRA["wide"], num_warps=BLOCKS["num_warps"],
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"], num_warps=BLOCKS["num_warps"],
             num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
         BS = _fit(WY["BS"], max(K, V))
