@@ -25,6 +25,7 @@ from itertools import pairwise
 import torch
 import triton
 
+from kimi_helix.kernels.device import num_sms
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
@@ -71,7 +72,9 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms), the block kernel for
 # every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block kernel does best at BKS=16
 # with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is sequential over chunks, so
-# narrow programs (many of them) beat wide ones there.
+# narrow programs (many of them) beat wide ones there: STATE["BV"] is the widest, halved while the grid would fill at
+# most half the SMs (run 9 at T=8192, commit f62adfa: H=32 0.88 ms at BV=32, 0.96 at 64; H=64 keeps 64; H=96 at 64
+# is within 3% of the best, 2.37 ms at BV=32).
 #
 # The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
 # against 1.61 at BS=32. INTRA["halves"] relaunches the chunk-wide kernel on the chunks it left with a pivot per half
@@ -198,6 +201,8 @@ def chunk_kda(
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip
     BV = _fit(STATE["BV"], V)
+    while BV > 16 and 2 * N * H * triton.cdiv(V, BV) <= num_sms(q.device.index):
+        BV //= 2
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,

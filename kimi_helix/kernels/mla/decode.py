@@ -13,7 +13,6 @@ in the kernel, and tile shapes and the split count come from tensor shapes only.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import NamedTuple
@@ -21,6 +20,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kimi_helix.kernels.device import num_sms
 
 __all__ = ["SCHEDULES", "SUPPORTED", "Schedule", "mla_decode_triton"]
 
@@ -213,13 +214,6 @@ def mla_decode_combine_kernel(
     tl.store(lse_ptr + rows, tl.where(has_keys, m_off + tl.log(denom), float("-inf")), mask=row_ok)
 
 
-@functools.cache
-def _num_sms(device_index: int | None) -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
-    return 132  # an H200's count, so the interpreter exercises the same split decisions
-
-
 class Schedule(NamedTuple):
     """How one tile class runs: keys per tile, warps, pipeline stages, and the lazy-rescale slack (log2 units;
     0 rescales the accumulator whenever a row max grows)."""
@@ -372,7 +366,7 @@ def mla_decode_triton(
     num_head_blocks = -(-H // cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
-        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], _num_sms(q.device.index)
+        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], num_sms(q.device.index)
     )
     if splits > 1:
         part_out = torch.empty(T, H, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
