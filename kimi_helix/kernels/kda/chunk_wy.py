@@ -7,7 +7,7 @@ Per chunk and head, with ``Ai = (I + A)^-1`` (fp32 scratch) and k, q L2-normalis
 
 computed in column slices of ``BS`` so that only ``[BT, BS]`` tiles and the ``[BT, BT]`` inverse are live, by one
 program per chunk or one per slice. The dots take their operands in the input dtype (fp32 accumulation), as fla's
-``recompute_w_u`` does: fp32 operands cost tf32 conversions, twice the registers and half the tensor-core rate.
+``recompute_w_u`` does, instead of fp32 operands at tf32: 488 -> 458 us on an H200 at T=8192, H=64 (run 9).
 """
 
 from __future__ import annotations
