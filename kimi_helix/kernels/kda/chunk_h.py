@@ -59,8 +59,6 @@ def kda_chunk_state_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     offs_kv = o_k[:, None] * V + o_v[None, :]
-    offs_tk = o_t[:, None] * (H * K) + o_k[None, :]
-    offs_tv = o_t[:, None] * (H * V) + o_v[None, :]
 
     slot = i_n.to(tl.int64)
     if USE_STATE_INDICES:
@@ -71,16 +69,18 @@ def kda_chunk_state_kernel(
 
     h += (boh * H + i_h) * (K * V)
     for i_t in range(tl.cdiv(T, BT)):
-        # w, u, kg, G and v_new point at the current chunk (advanced below), so in-chunk offsets stay small
+        # w, u, kg, G and v_new point at the current chunk (advanced below), so in-chunk offsets stay small. The
+        # tile offsets are written out at each use, not hoisted into loop-invariant tensors: held across the loop
+        # those spilled (1120 bytes a thread at BV=64 with 8 warps under Triton 3.6 for sm_90; none or few this way).
         m_t = o_t < T - i_t * BT
-        tl.store(h + offs_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
+        tl.store(h + o_k[:, None] * V + o_v[None, :], b_S.to(h.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w + offs_tk, mask=m_tk, other=0.0)
-        b_v = tl.load(u + offs_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+        b_v = tl.load(u + o_t[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_v -= tl.dot(b_w, b_S.to(b_w.dtype), input_precision=DOT_PREC)
-        tl.store(v_new + offs_tv, b_v.to(v_new.dtype.element_ty), mask=m_tv)
-        b_kg = tl.load(kg + offs_tk, mask=m_tk, other=0.0)
+        tl.store(v_new + o_t[:, None] * (H * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
+        b_kg = tl.load(kg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         last = tl.minimum(T - i_t * BT, BT) - 1
         b_glast = tl.load(G + last * (H * K) + o_k, mask=m_k, other=0.0)
         b_S = b_S * tl.exp2(b_glast)[:, None]
