@@ -97,6 +97,15 @@ def _fit(block: int, dim: int) -> int:
     return max(16, min(block, triton.next_power_of_2(dim)))
 
 
+def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
+    """Value columns per program of the state pass: STATE["BV"], halved while its N * H * cdiv(V, BV) programs
+    would fill at most half the SMs (the pass is sequential over chunks, so an idle SM stays idle throughout)."""
+    BV = _fit(STATE["BV"], V)
+    while BV > 16 and 2 * N * H * triton.cdiv(V, BV) <= num_sms(device_index):
+        BV //= 2
+    return BV
+
+
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -200,9 +209,7 @@ def chunk_kda(
             H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
         )  # fmt: skip
-    BV = _fit(STATE["BV"], V)
-    while BV > 16 and 2 * N * H * triton.cdiv(V, BV) <= num_sms(q.device.index):
-        BV //= 2
+    BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,

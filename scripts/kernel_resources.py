@@ -1,0 +1,147 @@
+"""Registers, spills and instruction mix of the Triton kernels at their committed launch settings, for sm_90
+(H100/H200), without a GPU: each kernel is compiled with ``triton.compile`` and its cubin read with the
+``cuobjdump`` that Triton's wheel carries.
+
+    python scripts/kernel_resources.py                      # KDA prefill kernels at H=64 and MLA decode schedules
+    python scripts/kernel_resources.py --ops kda --H 32     # the KDA prefill kernels as launched for H=32
+    PYTHONPATH=/tmp/t36 python scripts/kernel_resources.py  # with the GPU machine's Triton (pip install --no-deps
+                                                            # --target /tmp/t36 triton==3.6.0): counts differ
+                                                            # between Triton versions
+
+Columns: registers a thread, stack bytes a thread (register spills), shared memory bytes, and SASS instruction
+counts: HGMMA (warpgroup tensor-core MMA), HMMA (warp-level MMA), LDGSTS (cp.async global -> shared copies) and
+LDL/STL (local-memory loads and stores: spill traffic). Static counts, not timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kimi_helix.kernels.kda import chunk
+from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
+from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
+from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
+from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
+from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
+from kimi_helix.kernels.mla import decode
+
+TARGET = GPUTarget("cuda", 90, 32)
+SASS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
+# Argument types by name; any other pointer is a bf16 tensor (the model's activations).
+_FP32_PTRS = {"G", "Ai", "rnorm", "h0", "ht", "A_log", "dt_bias", "kv_scale_ptr", "lse_ptr", "out_ptr"}
+_INT_PTRS = {"wide_ok", "cu_seqlens", "chunk_indices", "chunk_offsets", "state_indices", "block_table_ptr",
+             "cache_seqlens_ptr", "cu_seqlens_q_ptr", "kv_bounds_ptr"}  # fmt: skip
+_FP32_SCALARS = {"scale", "qk_scale", "lower_bound"}
+
+
+def _signature(fn, constexprs: dict, overrides: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in overrides:
+            sig[name] = overrides[name]
+        elif name.startswith(("stride_", "num_")):
+            sig[name] = "i32"
+        elif name in _FP32_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "*fp32" if name in _FP32_PTRS else "*i32" if name in _INT_PTRS else "*bf16"
+    return sig
+
+
+def _cuobjdump(*args: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: dict | None = None) -> dict:
+    """Compile `fn` for sm_90 and read its resource usage and SASS instruction counts from the cubin."""
+    src = ASTSource(fn=fn, signature=_signature(fn, constexprs, overrides or {}), constexprs=constexprs)
+    kernel = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = _cuobjdump("--dump-resource-usage", str(cubin))
+        sass = _cuobjdump("-sass", str(cubin))
+    field = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED):(\d+)", usage)}
+    # instruction lines look like "/*1a30*/  @!P0 HMMA.16816.F32.BF16 R4, ..." (address, optional predicate, opcode)
+    ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", sass, flags=re.MULTILINE)
+    counts = {op: ops.count(op) for op in SASS}
+    return dict(regs=field.get("REG"), stack=field.get("STACK"), shared=kernel.metadata.shared, **counts)
+
+
+def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
+    """(name, fn, constexprs, warps, stages) of the KDA prefill kernels as chunk_kda launches them for bf16 inputs,
+    one sequence, the L2 norm in the kernel and the gate given."""
+    common = dict(H=H, K=K, BT=64, L2NORM=True, DOT_PREC="tf32")
+    intra = dict(common, BC=16)
+    I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
+    BV = chunk.state_block(1, H, V, None)
+    cases = [
+        ("kda gate", kda_chunk_gate_kernel, dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False), 4, 3),
+        ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"], HALVES=False),
+         I["num_warps"], I["num_stages"]),
+        ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], SKIP_WIDE=True),
+         B["num_warps"], B["num_stages"]),
+        ("kda wy", kda_chunk_wy_kernel, dict(common, V=V, BS=W["BS"], SPLIT=W["split"]), W["num_warps"],
+         W["num_stages"]),
+        (f"kda state (BV={BV})", kda_chunk_state_kernel,
+         dict(H=H, K=K, V=V, BT=64, BK=K, BV=BV, HAS_INITIAL_STATE=False, STORE_FINAL_STATE=True,
+              USE_STATE_INDICES=False, DOT_PREC="tf32"), S["num_warps"], S["num_stages"]),
+        ("kda output", kda_chunk_output_kernel, dict(H=H, K=K, V=V, BT=64, BK=K, BV=O["BV"], DOT_PREC="tf32"),
+         O["num_warps"], O["num_stages"]),
+    ]  # fmt: skip
+    return [(name, fn, c, w, s, {}) for name, fn, c, w, s in cases]
+
+
+def mla_cases() -> list[tuple]:
+    """The MLA decode kernel at each committed schedule (bf16 q, page size 64, split KV)."""
+    cases = []
+    for (kv_bytes, rows), sched in decode.SCHEDULES.items():
+        fp8 = kv_bytes == 1
+        c = dict(PAGE_SIZE=64, DC=512, DR=64, BLOCK_H=rows, BLOCK_Q=1, BLOCK_N=sched.block_n, SEQS_POW2=256,
+                 COMPUTE_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8, HAS_BOUNDS=False, SPLIT=True,
+                 RESCALE_SLACK=sched.rescale_slack)  # fmt: skip
+        name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys"
+        overrides = {"kv_ptr": "*fp8e4nv"} if fp8 else {}
+        cases.append((name, decode.mla_decode_fwd_kernel, c, sched.num_warps, sched.num_stages, overrides))
+    return cases
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", choices=("kda", "mla"), default=["kda", "mla"])
+    ap.add_argument("--H", type=int, default=64, help="KDA heads (the state pass's block width depends on it)")
+    ap.add_argument("--only", default=None, help="only the cases whose name contains this text")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the kernels must compile for the GPU target")
+    cases = (kda_cases(args.H) if "kda" in args.ops else []) + (mla_cases() if "mla" in args.ops else [])
+    cases = [c for c in cases if args.only is None or args.only in c[0]]
+    if not cases:
+        ap.error(f"no kernel name contains {args.only!r}")
+    print(f"Triton {triton.__version__}, sm_90")
+    header = ["kernel", "warps", "stages", "regs", "stack B", "shared B", *SASS]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    rows = []
+    for name, fn, constexprs, warps, stages, overrides in cases:
+        row = dict(kernel=name, warps=warps, stages=stages, **resources(fn, constexprs, warps, stages, overrides))
+        rows.append(row)
+        print("| " + " | ".join(str(row[k]) for k in ("kernel", "warps", "stages", "regs", "stack", "shared", *SASS))
+              + " |", flush=True)  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
