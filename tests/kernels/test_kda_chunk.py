@@ -1,7 +1,8 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
 fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong and steadily
 strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, blocks only), both WY
-launch shapes; bf16 at real shapes and fla parity on the GPU; plus the prefill benchmark's smoke run."""
+launch shapes; bf16 at real shapes and fla parity on the GPU; plus smoke runs of the prefill benchmark, the launch
+tuner and kernel_resources.py."""
 
 from __future__ import annotations
 
