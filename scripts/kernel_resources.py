@@ -84,17 +84,18 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: 
 def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     """(name, fn, constexprs, warps, stages) of the KDA prefill kernels as chunk_kda launches them for bf16 inputs,
     one sequence, the L2 norm in the kernel and the gate given."""
-    common = dict(H=H, K=K, V=V, BT=64, L2NORM=True, DOT_PREC="tf32")
-    intra = dict(common, BC=16, FUSE_WY=chunk.INTRA["wy"])
+    common = dict(H=H, K=K, BT=64, L2NORM=True, DOT_PREC="tf32")
+    intra = dict(common, BC=16)
     I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
     BV = chunk.state_block(1, H, V, None)
     cases = [
         ("kda gate", kda_chunk_gate_kernel, dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False), 4, 3),
-        ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"], BS=I["BS"], HALVES=False),
+        ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"], HALVES=False),
          I["num_warps"], I["num_stages"]),
-        ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], BS=B["BS"], SKIP_WIDE=True),
+        ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], SKIP_WIDE=True),
          B["num_warps"], B["num_stages"]),
-        ("kda wy", kda_chunk_wy_kernel, dict(common, BS=W["BS"]), W["num_warps"], W["num_stages"]),
+        ("kda wy", kda_chunk_wy_kernel, dict(common, V=V, BS=W["BS"], SPLIT=W["split"]), W["num_warps"],
+         W["num_stages"]),
         (f"kda state (BV={BV})", kda_chunk_state_kernel,
          dict(H=H, K=K, V=V, BT=64, BK=K, BV=BV, HAS_INITIAL_STATE=False, STORE_FINAL_STATE=True,
               USE_STATE_INDICES=False, DOT_PREC="tf32"), S["num_warps"], S["num_stages"]),

@@ -4,11 +4,10 @@
     python scripts/tune_kda_prefill.py --out $OUT --tables INTRA_BOUNDED --lower-bound -5   # the bounded (K3) gate
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
-One kernel at a time (intra, its block fallback, WY when not fused into them, state, output) runs every candidate
-of its table while the others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the
-whole chunk_kda call, as bench_kda.py calls it. The intra table is INTRA for a given decay and INTRA_BOUNDED for
-the bounded gate (--lower-bound); each is timed only with the gate that uses it, and WY only where that table
-leaves the WY stage to its own kernel.
+One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the
+others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call,
+as bench_kda.py calls it. The intra table is INTRA for a given decay and INTRA_BOUNDED for the bounded gate
+(--lower-bound); each is timed only with the gate that uses it.
 Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is shared). One JSON object
 per timing goes to <out>/tune_kda_prefill.jsonl; the best per kernel is printed last.
 """
@@ -38,32 +37,22 @@ def _grid(**axes) -> list[dict]:
 
 
 # INTRA and INTRA_BOUNDED (the same kernels, for the two kinds of gate) share one grid: the chunk-wide kernel's
-# settings with the WY stage fused (its column slice BS), then the block kernel alone, and both with the WY kernel
-# of its own.
-_INTRA_GRID = _grid(wide=[True], halves=[False], wy=[True], BKS=[16, 32], BS=[16, 32, 64], num_warps=[4, 8],
-                    num_stages=[3])  # fmt: skip
-_SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], wy=[True, False], BKS=[16], BS=[16], num_warps=[4],
-                          num_stages=[1])  # fmt: skip
-
-
-def _intra_candidates(committed: dict) -> list[dict]:
-    variants = ((False, True), (True, False), (False, False))
-    return _INTRA_GRID + [dict(committed, wide=wide, wy=wy) for wide, wy in variants]
-
-
+# settings, and the block kernel alone.
+_INTRA_GRID = _grid(wide=[True], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
+_SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1])
 CANDIDATES = {
-    "INTRA": _intra_candidates(chunk.INTRA),
-    "INTRA_BOUNDED": _intra_candidates(chunk.INTRA_BOUNDED),
-    "BLOCKS": _grid(BKS=[16, 32], BS=[16, 32, 64], num_warps=[2, 4], num_stages=[3]),
-    "WY": _grid(BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
+    "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False)],
+    "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False)],
+    "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3]),
+    "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
     "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
-    "BLOCKS": _grid(BKS=[16], BS=[16, 32], num_warps=[2], num_stages=[1]),
-    "WY": _grid(BS=[16], num_warps=[4], num_stages=[1]),
+    "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1]),
+    "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1]),
     "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
     "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
 }
@@ -101,17 +90,12 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.lower_bound is not None and not args.lower_bound < 0:
         ap.error(f"--lower-bound must be negative, got {args.lower_bound}")
-    # chunk_kda reads INTRA for a given decay and INTRA_BOUNDED for the bounded gate, never both; WY only where
-    # that table leaves the WY stage to a kernel of its own
+    # chunk_kda reads INTRA for a given decay and INTRA_BOUNDED for the bounded gate, never both
     unused, when = ("INTRA", "with") if args.lower_bound is not None else ("INTRA_BOUNDED", "without")
-    intra = "INTRA_BOUNDED" if unused == "INTRA" else "INTRA"
-    reasons = {unused: f"is not used {when} --lower-bound"}
-    if getattr(chunk, intra)["wy"]:
-        reasons["WY"] = f"is not used while {intra}['wy'] runs the WY stage in the intra kernels"
     if args.tables is None:
-        args.tables = [t for t in CANDIDATES if t not in reasons]
-    for table in set(args.tables) & set(reasons):
-        ap.error(f"--tables {table} {reasons[table]}")
+        args.tables = [t for t in CANDIDATES if t != unused]
+    elif unused in args.tables:
+        ap.error(f"--tables {unused} is not used {when} --lower-bound")
     dims = (40, 2, 16) if args.smoke else (args.T, args.H, 128)
     dtype, shape = (torch.float16 if args.smoke else torch.bfloat16), (*dims, args.lower_bound)
     cands = SMOKE_CANDIDATES if args.smoke else CANDIDATES

@@ -1,8 +1,8 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
 fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong and steadily
-strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, blocks only), the WY
-stage fused into them or on its own; bf16 at real shapes and fla parity on the GPU; plus smoke runs of the prefill
-benchmark, the launch tuner and kernel_resources.py."""
+strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, blocks only), both WY
+launch shapes; bf16 at real shapes and fla parity on the GPU; plus smoke runs of the prefill benchmark, the launch
+tuner and kernel_resources.py."""
 
 from __future__ import annotations
 
@@ -68,27 +68,23 @@ def test_large_chunks(chunk_size, dtype):
     assert_rel_close("final_state", s, s_r, TOL[dtype])
 
 
-@pytest.mark.usefixtures("intra_path")
-def test_wy_fused_equals_separate(monkeypatch):
-    """The WY stage run as the intra kernels' epilogue (["wy"] of chunk.INTRA, chunk.INTRA_BOUNDED) gives
-    bit-identical results to the WY kernel of its own at the same column slice (two K slices and one V slice
-    here), and both match the reference."""
+def test_wy_split_equals_one_program(monkeypatch):
+    """WY products with one program per column slice (chunk.WY["split"]; two K slices and one V slice here) give
+    bit-identical results to one program per chunk, and both match the reference."""
     from kimi_helix.kernels.kda import chunk
 
     q, k, v, g, beta, s0, _, _ = make_inputs(1, 40, seed=23)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    for table in (chunk.INTRA, chunk.INTRA_BOUNDED, chunk.BLOCKS, chunk.WY):
-        monkeypatch.setitem(table, "BS", 16)
+    monkeypatch.setitem(chunk.WY, "BS", 16)
     results = []
-    for fused in (False, True):
-        for table in (chunk.INTRA, chunk.INTRA_BOUNDED):
-            monkeypatch.setitem(table, "wy", fused)
+    for split in (False, True):
+        monkeypatch.setitem(chunk.WY, "split", split)
         results.append(chunk_kda(q, k, v, g, beta, chunk_size=16, **kw))
-    (o, s), (o_fused, s_fused) = results
-    assert torch.equal(o_fused, o) and torch.equal(s_fused, s)
+    (o, s), (o_split, s_split) = results
+    assert torch.equal(o_split, o) and torch.equal(s_split, s)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
-    assert_rel_close("o", o_fused, o_r, 1e-5)
-    assert_rel_close("final_state", s_fused, s_r, 1e-5)
+    assert_rel_close("o", o_split, o_r, 1e-5)
+    assert_rel_close("final_state", s_split, s_r, 1e-5)
 
 
 def test_no_l2norm_custom_scale_no_state():
@@ -235,12 +231,9 @@ def test_tune_smoke(tmp_path):
     tune.main(["--smoke", "--out", str(tmp_path), "--lower-bound", "-5"])  # the bounded gate, computed in the kernel
     rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
     assert rows and all(r["error"] is None and r["ms"] > 0 and r["lower_bound"] == -5 for r in rows), rows
-    # INTRA_BOUNDED serves the bounded gate; the WY kernel runs only where it leaves the WY stage to it
-    unused = {"INTRA"} | ({"WY"} if chunk.INTRA_BOUNDED["wy"] else set())
-    assert {r["table"] for r in rows} == set(tune.CANDIDATES) - unused
-    for table in unused:
-        with pytest.raises(SystemExit):
-            tune.main(["--smoke", "--tables", table, "--lower-bound", "-5"])
+    assert {r["table"] for r in rows} == set(tune.CANDIDATES) - {"INTRA"}  # INTRA_BOUNDED serves the bounded gate
+    with pytest.raises(SystemExit):
+        tune.main(["--smoke", "--tables", "INTRA", "--lower-bound", "-5"])
     assert {t: getattr(chunk, t) for t in tune.CANDIDATES} == committed  # settings restored
 
 

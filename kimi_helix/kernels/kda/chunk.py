@@ -84,10 +84,10 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
 # almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
 # (run 9): block kernel alone 1.89 ms, chunk-wide first 2.09, with the per-half relaunch 1.92.
-INTRA = dict(wide=True, halves=False, wy=True, BKS=32, BS=32, num_warps=4, num_stages=3)
-INTRA_BOUNDED = dict(wide=False, halves=False, wy=True, BKS=32, BS=32, num_warps=4, num_stages=3)
-BLOCKS = dict(BKS=16, BS=32, num_warps=2, num_stages=3)
-WY = dict(BS=64, num_warps=8, num_stages=3)
+INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
+INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3)
+BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
+WY = dict(split=False, BS=64, num_warps=8, num_stages=3)
 STATE = dict(BV=64, num_warps=8, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
@@ -190,28 +190,25 @@ def chunk_kda(
             g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
             H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
         )  # fmt: skip
+        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
+        args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
         intra = INTRA if lower_bound is None else INTRA_BOUNDED
-        common = dict(
-            H=H, K=K, V=V, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
-            FUSE_WY=intra["wy"],
-        )  # fmt: skip
-        args = (q, k, v, G, beta, Aqk, Ai, rnorm, w, u, kg, qg, wide_ok, cu, chunk_indices, scale)
+        wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"])
         if intra["wide"]:
-            wide = dict(BKS=_fit(intra["BKS"], K), BS=_fit(intra["BS"], max(K, V)), num_warps=intra["num_warps"],
-                        num_stages=intra["num_stages"])  # fmt: skip
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=False)
-            if intra["halves"]:
-                kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
+        if intra["wide"] and intra["halves"]:
+            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
         kda_chunk_intra_blocks_kernel[(NT, H)](
-            *args, **common, BKS=_fit(BLOCKS["BKS"], K), BS=_fit(BLOCKS["BS"], max(K, V)), SKIP_WIDE=intra["wide"],
-            num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"],
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"], num_warps=BLOCKS["num_warps"],
+            num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
-        if not intra["wy"]:
-            kda_chunk_wy_kernel[(NT, H)](
-                q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
-                H=H, K=K, V=V, BT=chunk_size, BS=_fit(WY["BS"], max(K, V)), L2NORM=use_qk_l2norm_in_kernel,
-                DOT_PREC=dot_prec, num_warps=WY["num_warps"], num_stages=WY["num_stages"],
-            )  # fmt: skip
+        BS = _fit(WY["BS"], max(K, V))
+        slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
+        kda_chunk_wy_kernel[(NT, H, slices)](
+            q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
+            H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
+            SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
+        )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,

@@ -19,11 +19,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_tiles import chunk_span, load_row, load_tile, store_tile
-from kimi_helix.kernels.kda.chunk_wy import wy_at_chunk, wy_chunk
-
 LOG2E = tl.constexpr(1.4426950408889634)
 MAX_SPREAD = tl.constexpr(96.0)
+
+
+@triton.jit
+def _chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
+    """(t0, T) of chunk i_c: its first packed token (int64) and its number of valid rows (int32, <= BT)."""
+    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + i_t * BT
+    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
 
 
 @triton.jit
@@ -51,10 +57,10 @@ def kda_chunk_gate_kernel(
     LOWER_BOUND: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so offsets inside it are small
     base = t0 * (H * K) + i_h * K
-    x = load_tile(g + base, 0, 0, T, K, H * K, BT, BK)
+    x = _tile(g + base, 0, 0, T, K, H * K, BT, BK)
     if GATE:
         o_k = tl.arange(0, BK)
         x = x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :]
@@ -65,7 +71,31 @@ def kda_chunk_gate_kernel(
             # softplus with torch's threshold 20
             x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     # padding rows come after every valid row, so they never reach a stored cumulative sum
-    store_tile(G + base, tl.cumsum(x, axis=0) * LOG2E, 0, 0, T, K, H * K, BT, BK)
+    _store_tile(G + base, tl.cumsum(x, axis=0) * LOG2E, 0, 0, T, K, H * K, BT, BK)
+
+
+@triton.jit
+def _tile(ptr, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
+    """[BR, BD] fp32 tile at (r0, c0) of a row-major [T, D] view with row stride `stride`; zero outside."""
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BD)
+    mask = (rows < T)[:, None] & (cols < D)[None, :]
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row(ptr, r, c0, stride, D: tl.constexpr, BD: tl.constexpr):
+    """Columns c0 .. c0+BD of row r (which must exist) as fp32, zero past column D."""
+    cols = c0 + tl.arange(0, BD)
+    return tl.load(ptr + r * stride + cols, mask=cols < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
+    rows = r0 + tl.arange(0, BR)
+    cols = c0 + tl.arange(0, BD)
+    mask = (rows < T)[:, None] & (cols < D)[None, :]
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -118,62 +148,53 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
     blocks below them, each block below the diagonal becomes Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Only blocks on
     or below the diagonal exist; the readers mask the rest."""
     if BT > BC:
-        Ai00 = load_tile(Ai, 0, 0, T, BT, S, BC, BC)
-        Ai11 = load_tile(Ai, BC, BC, T, BT, S, BC, BC)
-        Ai10 = _merge_row1(Ai00, Ai11, load_tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PREC)
-        store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
+        Ai00 = _tile(Ai, 0, 0, T, BT, S, BC, BC)
+        Ai11 = _tile(Ai, BC, BC, T, BT, S, BC, BC)
+        Ai10 = _merge_row1(Ai00, Ai11, _tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PREC)
+        _store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
-        A20 = load_tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
-        A21 = load_tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
-        Ai22 = load_tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
+        A20 = _tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
+        A21 = _tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
+        Ai22 = _tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
         Ai20, Ai21 = _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC)
-        store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
-        store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
 
-        A30 = load_tile(Ai, 3 * BC, 0, T, BT, S, BC, BC)
-        A31 = load_tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
-        A32 = load_tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
-        Ai33 = load_tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
+        A30 = _tile(Ai, 3 * BC, 0, T, BT, S, BC, BC)
+        A31 = _tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
+        A32 = _tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
+        Ai33 = _tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
         Ai30, Ai31, Ai32 = _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC)
-        store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
-        store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
-        store_tile(Ai, Ai30, 3 * BC, 0, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai30, 3 * BC, 0, T, BT, S, BC, BC)
 
 
 @triton.jit
 def kda_chunk_intra_kernel(
     q,
     k,
-    v,
     G,
     beta,
     Aqk,
     Ai,
     rnorm,
-    w,
-    u,
-    kg,
-    qg,
     wide_ok,
     cu_seqlens,
     chunk_indices,
     scale,
     H: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     BKS: tl.constexpr,
-    BS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HALVES: tl.constexpr,
-    FUSE_WY: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
     q and k and beta applied to the dot results. Writes wide_ok[chunk, head] = 1 when done; 0 (nothing else
-    stored) when the decay spread is too wide, for the block kernel to take over. With FUSE_WY it also runs the
-    WY stage (chunk_wy.py) of the chunks it finishes.
+    stored) when the decay spread is too wide, for the block kernel to take over.
 
     HALVES is a second launch for the chunks the first left: each half of the chunk is factored around its own mid
     decay, and the rows of the second half against the columns of the first around the decay at the boundary row,
@@ -182,7 +203,7 @@ def kda_chunk_intra_kernel(
     if HALVES:  # noqa: SIM102 - a constexpr test: without it the flag is never loaded
         if tl.load(wide_ok + i_c * H + i_h) != 0:
             return
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     HK = H * K
     S = H * BT
@@ -198,17 +219,17 @@ def kda_chunk_intra_kernel(
     sk = tl.zeros([BT], dtype=tl.float32)
     spread = tl.zeros([BT, BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
-        b_q = load_tile(q, 0, c, T, K, HK, BT, BKS)
-        b_k = load_tile(k, 0, c, T, K, HK, BT, BKS)
-        b_g = load_tile(G, 0, c, T, K, HK, BT, BKS)
-        g_last = load_row(G, T - 1, c, HK, K, BKS)
+        b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
+        b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
+        b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
+        g_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
         if HALVES:
-            g_h = load_row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
-            g_lo = 0.5 * (load_row(G, 0, c, HK, K, BKS) + load_row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS))
+            g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
+            g_lo = 0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS))
             b_d = b_g - tl.where(hi[:, None], 0.5 * (g_h + g_last)[None, :], g_lo[None, :])
         else:
-            b_d = b_g - (0.5 * (load_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
+            b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
         spread = tl.maximum(spread, tl.where(m_t[:, None], tl.abs(b_d), 0.0))
         # Entries above the diagonal (and, with HALVES, between the halves) may overflow here; `where` discards
         # them below.
@@ -251,12 +272,8 @@ def kda_chunk_intra_kernel(
         # The blocks are read back, and rewritten, by other threads of this program.
         tl.debug_barrier()
         for i in tl.static_range(BT // BC):
-            A_ii = load_tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
+            A_ii = _tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
             tl.debug_barrier()
-            store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
+            _store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
         tl.debug_barrier()
         _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
-        if FUSE_WY:
-            tl.debug_barrier()
-            v, w, u, kg, qg = wy_at_chunk(v, w, u, kg, qg, t0, i_h, H, K, V)
-            wy_chunk(q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, T, scale, H, K, V, BT, BS, L2NORM, DOT_PREC)

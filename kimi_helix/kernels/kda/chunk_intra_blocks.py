@@ -15,13 +15,15 @@ import triton.language as tl
 from kimi_helix.kernels.kda.chunk_intra import (
     MAX_SPREAD,
     _at_chunk,
+    _chunk_span,
     _merge_row1,
     _merge_row2,
     _merge_row3,
+    _row,
+    _store_tile,
+    _tile,
     _unit_lower_inverse,
 )
-from kimi_helix.kernels.kda.chunk_tiles import chunk_span, load_row, load_tile, store_tile
-from kimi_helix.kernels.kda.chunk_wy import wy_at_chunk, wy_chunk
 
 
 @triton.jit
@@ -39,10 +41,10 @@ def _diag_exact(q, k, G, r0, m, T, H: tl.constexpr, K: tl.constexpr, BC: tl.cons
         col_kk = tl.zeros([BC], dtype=tl.float32)
         col_qk = tl.zeros([BC], dtype=tl.float32)
         for c in range(0, K, BKS):
-            b_d = load_tile(G, r0, c, T, K, HK, BC, BKS) - load_row(G, rj, c, HK, K, BKS)[None, :]
-            b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * load_row(k, rj, c, HK, K, BKS)[None, :]
-            col_kk += tl.sum(load_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
-            col_qk += tl.sum(load_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - _row(G, rj, c, HK, K, BKS)[None, :]
+            b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * _row(k, rj, c, HK, K, BKS)[None, :]
+            col_kk += tl.sum(_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            col_qk += tl.sum(_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
         A_kk = tl.where(o_c[None, :] == j, col_kk[:, None], A_kk)
         A_qk = tl.where(o_c[None, :] == j, col_qk[:, None], A_qk)
     return A_kk, A_qk
@@ -54,7 +56,7 @@ def _scale_diag(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT:
     beta * A_kk (strictly lower)."""
     o_c = tl.arange(0, BC)
     A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
-    store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
+    _store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
     return tl.where(o_c[:, None] > o_c[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
 
 
@@ -62,15 +64,15 @@ def _scale_diag(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT:
 def _slice(q, k, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):
     """Columns c .. c+BKS of the row block at r0: q, k and G as fp32 [BC, BKS] tiles (zero outside)."""
     HK = H * K
-    return (load_tile(q, r0, c, T, K, HK, BC, BKS), load_tile(k, r0, c, T, K, HK, BC, BKS),
-            load_tile(G, r0, c, T, K, HK, BC, BKS))  # fmt: skip
+    return (_tile(q, r0, c, T, K, HK, BC, BKS), _tile(k, r0, c, T, K, HK, BC, BKS),
+            _tile(G, r0, c, T, K, HK, BC, BKS))  # fmt: skip
 
 
 @triton.jit
 def _decayed_rows(b_q, b_k, b_g, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
                   BKS: tl.constexpr):  # fmt: skip
     """q and k of the row block at r0 decayed to its first row, exp(G_i - G_n) (<= 1), and that pivot row G_n."""
-    b_gn = load_row(G, tl.minimum(r0, T - 1), c, H * K, K, BKS)
+    b_gn = _row(G, tl.minimum(r0, T - 1), c, H * K, K, BKS)
     m = (r0 + tl.arange(0, BC)) < T
     e = tl.exp2(tl.where(m[:, None], b_g - b_gn[None, :], -float("inf")))
     return b_q * e, b_k * e, b_gn
@@ -90,7 +92,7 @@ def _diag(b_q, b_k, b_g, G, r0, c, T, D_qk, D_kk, spread, H: tl.constexpr, K: tl
     """Adds one column slice of the diagonal block at r0, factored around its middle row, and tracks the decay
     spread that bounds both factors (beyond MAX_SPREAD the caller recomputes the block exactly)."""
     m = (r0 + tl.arange(0, BC)) < T
-    b_d = b_g - load_row(G, tl.minimum(r0 + BC // 2, T - 1), c, H * K, K, BKS)[None, :]
+    b_d = b_g - _row(G, tl.minimum(r0 + BC // 2, T - 1), c, H * K, K, BKS)[None, :]
     spread = tl.maximum(spread, tl.max(tl.max(tl.where(m[:, None], tl.abs(b_d), 0.0), axis=1), axis=0))
     e = tl.exp2(tl.where(m[:, None], b_d, -float("inf")))
     kt = tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf"))))
@@ -112,7 +114,7 @@ def _finish_diag(q, k, G, Aqk, D_qk, D_kk, spread, r0, rq, rk, b_b, T, scale, H:
 def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, scale, H: tl.constexpr, BT: tl.constexpr,
                  BC: tl.constexpr):  # fmt: skip
     """Stores block pair (i, j)'s A_qk; returns its beta-scaled A_kk."""
-    store_tile(Aqk, A_qk * (rq_i * scale)[:, None] * rk_j[None, :], ri0, rj0, T, BT, H * BT, BC, BC)
+    _store_tile(Aqk, A_qk * (rq_i * scale)[:, None] * rk_j[None, :], ri0, rj0, T, BT, H * BT, BC, BC)
     return A_kk * (rk_i * b_i)[:, None] * rk_j[None, :]
 
 
@@ -136,39 +138,31 @@ def _norm_beta(sq, sk, beta, rnorm, r0, T, H: tl.constexpr, BC: tl.constexpr, L2
 def kda_chunk_intra_blocks_kernel(
     q,
     k,
-    v,
     G,
     beta,
     Aqk,
     Ai,
     rnorm,
-    w,
-    u,
-    kg,
-    qg,
     wide_ok,
     cu_seqlens,
     chunk_indices,
     scale,
     H: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     BKS: tl.constexpr,
-    BS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SKIP_WIDE: tl.constexpr,
-    FUSE_WY: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head (BT <= 4 * BC rows), skipping the chunks that
-    kda_chunk_intra_kernel finished when SKIP_WIDE; with FUSE_WY also the WY stage (chunk_wy.py) of the chunk."""
+    kda_chunk_intra_kernel finished when SKIP_WIDE."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if SKIP_WIDE:  # noqa: SIM102 - a constexpr test: without it the flag is never loaded
         if tl.load(wide_ok + i_c * H + i_h) != 0:
             return
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
@@ -185,47 +179,47 @@ def kda_chunk_intra_blocks_kernel(
         sk0 += tl.sum(k0 * k0, axis=1)
         if BT > BC:
             q1, k1, g1 = _slice(q, k, G, r1, c, T, H, K, BC, BKS)
-            qd, kd, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
-            A10q, A10k = _pair(qd, kd, gn, k0, g0, A10q, A10k, DOT_PREC)
+            qg, kg, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
+            A10q, A10k = _pair(qg, kg, gn, k0, g0, A10q, A10k, DOT_PREC)
             D1q, D1k, sp1 = _diag(q1, k1, g1, G, r1, c, T, D1q, D1k, sp1, H, K, BC, BKS, DOT_PREC)
             sq1 += tl.sum(q1 * q1, axis=1)
             sk1 += tl.sum(k1 * k1, axis=1)
         if BT > 2 * BC:
             q2, k2, g2 = _slice(q, k, G, r2, c, T, H, K, BC, BKS)
-            qd, kd, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
-            A20q, A20k = _pair(qd, kd, gn, k0, g0, A20q, A20k, DOT_PREC)
-            A21q, A21k = _pair(qd, kd, gn, k1, g1, A21q, A21k, DOT_PREC)
+            qg, kg, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
+            A20q, A20k = _pair(qg, kg, gn, k0, g0, A20q, A20k, DOT_PREC)
+            A21q, A21k = _pair(qg, kg, gn, k1, g1, A21q, A21k, DOT_PREC)
             D2q, D2k, sp2 = _diag(q2, k2, g2, G, r2, c, T, D2q, D2k, sp2, H, K, BC, BKS, DOT_PREC)
             sq2 += tl.sum(q2 * q2, axis=1)
             sk2 += tl.sum(k2 * k2, axis=1)
             q3, k3, g3 = _slice(q, k, G, r3, c, T, H, K, BC, BKS)
-            qd, kd, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
-            A30q, A30k = _pair(qd, kd, gn, k0, g0, A30q, A30k, DOT_PREC)
-            A31q, A31k = _pair(qd, kd, gn, k1, g1, A31q, A31k, DOT_PREC)
-            A32q, A32k = _pair(qd, kd, gn, k2, g2, A32q, A32k, DOT_PREC)
+            qg, kg, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
+            A30q, A30k = _pair(qg, kg, gn, k0, g0, A30q, A30k, DOT_PREC)
+            A31q, A31k = _pair(qg, kg, gn, k1, g1, A31q, A31k, DOT_PREC)
+            A32q, A32k = _pair(qg, kg, gn, k2, g2, A32q, A32k, DOT_PREC)
             D3q, D3k, sp3 = _diag(q3, k3, g3, G, r3, c, T, D3q, D3k, sp3, H, K, BC, BKS, DOT_PREC)
             sq3 += tl.sum(q3 * q3, axis=1)
             sk3 += tl.sum(k3 * k3, axis=1)
 
     rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, BC, L2NORM)
     Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, scale, H, K, BT, BC, BKS)
-    store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)
+    _store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)
     if BT > BC:
         rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, r1, T, H, BC, L2NORM)
         Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, scale, H, K, BT, BC, BKS)
         A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, scale, H, BT, BC)
         Ai10 = _merge_row1(Ai00, Ai11, A10, DOT_PREC)
-        store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
-        store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
         rq2, rk2, b2 = _norm_beta(sq2, sk2, beta, rnorm, r2, T, H, BC, L2NORM)
         Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, scale, H, K, BT, BC, BKS)
         A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, scale, H, BT, BC)
         A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, scale, H, BT, BC)
         Ai20, Ai21 = _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC)
-        store_tile(Ai, Ai22, r2, r2, T, BT, S, BC, BC)
-        store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
-        store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai22, r2, r2, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
 
         rq3, rk3, b3 = _norm_beta(sq3, sk3, beta, rnorm, r3, T, H, BC, L2NORM)
         Ai33 = _finish_diag(q, k, G, Aqk, D3q, D3k, sp3, r3, rq3, rk3, b3, T, scale, H, K, BT, BC, BKS)
@@ -233,11 +227,7 @@ def kda_chunk_intra_blocks_kernel(
         A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, scale, H, BT, BC)
         A32 = _finish_pair(Aqk, A32q, A32k, r3, r2, rq3, rk3, b3, rk2, T, scale, H, BT, BC)
         Ai30, Ai31, Ai32 = _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC)
-        store_tile(Ai, Ai33, r3, r3, T, BT, S, BC, BC)
-        store_tile(Ai, Ai32, r3, r2, T, BT, S, BC, BC)
-        store_tile(Ai, Ai31, r3, r1, T, BT, S, BC, BC)
-        store_tile(Ai, Ai30, r3, 0, T, BT, S, BC, BC)
-    if FUSE_WY:
-        tl.debug_barrier()
-        v, w, u, kg, qg = wy_at_chunk(v, w, u, kg, qg, t0, i_h, H, K, V)
-        wy_chunk(q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, T, scale, H, K, V, BT, BS, L2NORM, DOT_PREC)
+        _store_tile(Ai, Ai33, r3, r3, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai32, r3, r2, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai31, r3, r1, T, BT, S, BC, BC)
+        _store_tile(Ai, Ai30, r3, 0, T, BT, S, BC, BC)

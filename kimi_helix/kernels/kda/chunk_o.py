@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_tiles import chunk_span
+from kimi_helix.kernels.kda.chunk_intra import _chunk_span
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def kda_chunk_output_kernel(
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # pointers start at the chunk, so in-chunk offsets stay small
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     qg += t0 * (H * K) + i_h * K
     Aqk += t0 * (H * BT) + i_h * BT
     v_new += t0 * (H * V) + i_h * V
