@@ -45,7 +45,8 @@ CANDIDATES = {
     "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3]),
     "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
-    "STATE": _grid(BV=[16, 32, 64], num_warps=[2, 4, 8], num_stages=[1, 3]),
+    "STATE": _grid(output=[True], BV=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 2, 3])
+    + [dict(chunk.STATE, output=False)],
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
@@ -53,7 +54,7 @@ SMOKE_CANDIDATES = {
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1]),
     "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1]),
-    "STATE": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
+    "STATE": _grid(output=[True, False], BV=[16, 32], num_warps=[4], num_stages=[1]),
     "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
 }
 
@@ -92,10 +93,13 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--lower-bound must be negative, got {args.lower_bound}")
     # chunk_kda reads INTRA for a given decay and INTRA_BOUNDED for the bounded gate, never both
     unused, when = ("INTRA", "with") if args.lower_bound is not None else ("INTRA_BOUNDED", "without")
+    reasons = {unused: f"is not used {when} --lower-bound"}
+    if chunk.STATE["output"]:  # the output kernel runs only where the state pass leaves o to it
+        reasons["OUTPUT"] = "is not used while STATE['output'] computes o in the state pass"
     if args.tables is None:
-        args.tables = [t for t in CANDIDATES if t != unused]
-    elif unused in args.tables:
-        ap.error(f"--tables {unused} is not used {when} --lower-bound")
+        args.tables = [t for t in CANDIDATES if t not in reasons]
+    for table in set(args.tables) & set(reasons):
+        ap.error(f"--tables {table} {reasons[table]}")
     dims = (40, 2, 16) if args.smoke else (args.T, args.H, 128)
     dtype, shape = (torch.float16 if args.smoke else torch.bfloat16), (*dims, args.lower_bound)
     cands = SMOKE_CANDIDATES if args.smoke else CANDIDATES

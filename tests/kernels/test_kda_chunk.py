@@ -87,6 +87,26 @@ def test_wy_split_equals_one_program(monkeypatch):
     assert_rel_close("final_state", s_split, s_r, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_output_in_state_pass_equals_output_kernel(monkeypatch, dtype):
+    """o computed by the state pass (chunk.STATE["output"]) equals o from the per-chunk states and v_new that the
+    output kernel reads back, over packed sequences with a partial last chunk; both match the reference."""
+    from kimi_helix.kernels.kda import chunk
+
+    q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=29, dtype=dtype, n_states=len(LENS))
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setitem(chunk.STATE, "output", fused)
+        results[fused] = chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
+    assert_rel_close("o", results[True][0], results[False][0], 1e-6 if dtype == torch.float32 else 1e-3)
+    assert torch.equal(results[True][1], results[False][1])  # the state recurrence is the same arithmetic
+    o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    assert_rel_close("o vs recurrent", results[True][0], o_r, TOL[dtype])
+    assert_rel_close("state vs recurrent", results[True][1], s_r, TOL[dtype])
+
+
 def test_no_l2norm_custom_scale_no_state():
     q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
     k = torch.nn.functional.normalize(k, dim=-1)  # an unnormalised key makes the delta rule blow up
@@ -231,9 +251,12 @@ def test_tune_smoke(tmp_path):
     tune.main(["--smoke", "--out", str(tmp_path), "--lower-bound", "-5"])  # the bounded gate, computed in the kernel
     rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
     assert rows and all(r["error"] is None and r["ms"] > 0 and r["lower_bound"] == -5 for r in rows), rows
-    assert {r["table"] for r in rows} == set(tune.CANDIDATES) - {"INTRA"}  # INTRA_BOUNDED serves the bounded gate
-    with pytest.raises(SystemExit):
-        tune.main(["--smoke", "--tables", "INTRA", "--lower-bound", "-5"])
+    # INTRA_BOUNDED serves the bounded gate; the output kernel runs only where the state pass leaves o to it
+    unused = {"INTRA"} | ({"OUTPUT"} if chunk.STATE["output"] else set())
+    assert {r["table"] for r in rows} == set(tune.CANDIDATES) - unused
+    for table in unused:
+        with pytest.raises(SystemExit):
+            tune.main(["--smoke", "--tables", table, "--lower-bound", "-5"])
     assert {t: getattr(chunk, t) for t in tune.CANDIDATES} == committed  # settings restored
 
 

@@ -88,7 +88,7 @@ INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
 INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(split=False, BS=64, num_warps=8, num_stages=3)
-STATE = dict(BV=64, num_warps=8, num_stages=3)
+STATE = dict(output=True, BV=64, num_warps=8, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
 
@@ -171,12 +171,15 @@ def chunk_kda(
 
     G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
     w, kg, qg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(3))
-    u, v_new, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(3))
+    u, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(2))
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
     wide_ok = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # chunks the chunk-wide intra kernel did
     rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # 1/|q|, 1/|k| for the WY kernel
-    h = torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
+    fuse_output = STATE["output"]
+    # without the output kernel, the per-chunk states and v_new never leave the state pass: o stands in for both
+    h = o if fuse_output else torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
+    v_new = o if fuse_output else torch.empty_like(u)
     if not output_final_state:
         final_state = None
     elif state_indices is not None:
@@ -211,13 +214,13 @@ def chunk_kda(
         )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
-        w, u, kg, G, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
+        w, u, kg, G, qg, Aqk, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        USE_STATE_INDICES=state_indices is not None, DOT_PREC=dot_prec, num_warps=STATE["num_warps"],
-        num_stages=STATE["num_stages"],
+        USE_STATE_INDICES=state_indices is not None, FUSE_OUTPUT=fuse_output, DOT_PREC=dot_prec,
+        num_warps=STATE["num_warps"], num_stages=STATE["num_stages"],
     )  # fmt: skip
-    if NT:
+    if NT and not fuse_output:
         BVo = _fit(OUTPUT["BV"], V)
         kda_chunk_output_kernel[(triton.cdiv(V, BVo), NT, H)](
             qg, h, Aqk, v_new, o, cu, chunk_indices,

@@ -1,12 +1,14 @@
 """Inter-chunk state recurrence of the Triton KDA prefill: the only sequential stage.
 
 One program per (sequence, head, block of BV value columns) walks the chunks of its sequence carrying the state
-``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg from the WY kernel::
+``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg, qg from the WY kernel and Aqk from the intra kernels::
 
-    h_c   = S                                   (stored for the output kernel)
     v_new = u - w S
+    o     = qg S + Aqk v_new                     (FUSE_OUTPUT; else S and v_new are stored for the output kernel)
     S     = exp(G_last) * S + kg^T v_new        (kg = exp(G_last - G) * k)
 
+With FUSE_OUTPUT the output comes out of this pass, so neither the per-chunk states (K V values a chunk) nor
+v_new go through memory; the extra loads (qg, Aqk) do not depend on the carried state, so they overlap it.
 The initial state is read from, and the final state written back to, either a per-sequence tensor ``[N, H, K, V]``
 or a slot of a state pool ``[slots, H, K, V]`` chosen by ``state_indices``.
 """
@@ -23,6 +25,9 @@ def kda_chunk_state_kernel(
     u,
     kg,
     G,
+    qg,
+    Aqk,
+    o,
     h,
     v_new,
     h0,
@@ -39,6 +44,7 @@ def kda_chunk_state_kernel(
     HAS_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    FUSE_OUTPUT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -51,6 +57,9 @@ def kda_chunk_state_kernel(
     G += bos * (H * K) + i_h * K
     u += bos * (H * V) + i_h * V
     v_new += bos * (H * V) + i_h * V
+    qg += bos * (H * K) + i_h * K
+    Aqk += bos * (H * BT) + i_h * BT
+    o += bos * (H * V) + i_h * V
 
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -69,28 +78,42 @@ def kda_chunk_state_kernel(
 
     h += (boh * H + i_h) * (K * V)
     for i_t in range(tl.cdiv(T, BT)):
-        # w, u, kg, G and v_new point at the current chunk (advanced below), so in-chunk offsets stay small. The
+        # the per-token pointers point at the current chunk (advanced below), so in-chunk offsets stay small. The
         # tile offsets are written out at each use, not hoisted into loop-invariant tensors: held across the loop
         # those spilled (1120 bytes a thread at BV=64 with 8 warps under Triton 3.6 for sm_90; none or few this way).
         m_t = o_t < T - i_t * BT
-        tl.store(h + o_k[:, None] * V + o_v[None, :], b_S.to(h.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_w = tl.load(w + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+        b_Sc = b_S.to(b_w.dtype)  # h_c, as the output kernel would read it back
         b_v = tl.load(u + o_t[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_v -= tl.dot(b_w, b_S.to(b_w.dtype), input_precision=DOT_PREC)
-        tl.store(v_new + o_t[:, None] * (H * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
+        b_v -= tl.dot(b_w, b_Sc, input_precision=DOT_PREC)
+        b_vc = b_v.to(b_w.dtype)  # v_new, likewise
+        if FUSE_OUTPUT:
+            b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_o = tl.dot(b_qg, b_Sc, input_precision=DOT_PREC)
+            # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
+            m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
+            b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+            b_o += tl.dot(b_A, b_vc, input_precision=DOT_PREC)
+            tl.store(o + o_t[:, None] * (H * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        else:
+            tl.store(h + o_k[:, None] * V + o_v[None, :], b_Sc.to(h.dtype.element_ty), mask=m_kv)
+            tl.store(v_new + o_t[:, None] * (H * V) + o_v[None, :], b_vc.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         last = tl.minimum(T - i_t * BT, BT) - 1
         b_glast = tl.load(G + last * (H * K) + o_k, mask=m_k, other=0.0)
         b_S = b_S * tl.exp2(b_glast)[:, None]
-        b_S += tl.dot(tl.trans(b_kg), b_v.to(b_kg.dtype), input_precision=DOT_PREC)
+        b_S += tl.dot(tl.trans(b_kg), b_vc, input_precision=DOT_PREC)
         h += H * K * V
         w += BT * H * K
         kg += BT * H * K
         G += BT * H * K
         u += BT * H * V
         v_new += BT * H * V
+        qg += BT * H * K
+        Aqk += BT * H * BT
+        o += BT * H * V
 
     if STORE_FINAL_STATE:
         tl.store(ht + (slot * H + i_h) * (K * V) + offs_kv, b_S, mask=m_kv)
