@@ -88,7 +88,7 @@ INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
 INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
 WY = dict(split=False, BS=64, num_warps=8, num_stages=3)
-STATE = dict(output=True, BV=64, num_warps=8, num_stages=3)
+STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
 
