@@ -107,6 +107,18 @@ def test_output_in_state_pass_equals_output_kernel(monkeypatch, dtype):
     assert_rel_close("state vs recurrent", results[True][1], s_r, TOL[dtype])
 
 
+def test_state_pass_output_needs_four_warps(monkeypatch):
+    """Triton miscompiled the state pass with o at 8 warps (wrong o, illegal accesses on an H200): refused."""
+    from kimi_helix.kernels.kda import chunk
+
+    q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
+    monkeypatch.setitem(chunk.STATE, "num_warps", 8)
+    with pytest.raises(ValueError, match="num_warps=4"):
+        chunk_kda(q, k, v, g, beta, chunk_size=16)
+    monkeypatch.setitem(chunk.STATE, "output", False)  # the pass without o is exact at 8 warps
+    chunk_kda(q, k, v, g, beta, chunk_size=16)
+
+
 def test_no_l2norm_custom_scale_no_state():
     q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
     k = torch.nn.functional.normalize(k, dim=-1)  # an unnormalised key makes the delta rule blow up

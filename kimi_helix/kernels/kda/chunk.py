@@ -8,7 +8,8 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
    the decays, where the chunk's gates allow it (optionally relaunched with a pivot per half chunk);
 3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
-5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and the per-chunk states;
+5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o`` (by default), or ``v_new`` and
+   the per-chunk states for
 6. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
 
 Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
@@ -64,7 +65,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 
 # Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
 # the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
-# program of the state and output kernels.
+# program of the state and output kernels (OUTPUT only applies without STATE["output"]).
 #
 # INTRA["wide"] runs the chunk-wide factorisation first and leaves only the chunks it cannot take to the block
 # kernel; without it the block kernel does every chunk. Whole prefill on an H200 at T=8192, H=64
@@ -79,7 +80,12 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
 # against 1.61 at BS=32. INTRA["halves"] relaunches the chunk-wide kernel on the chunks it left with a pivot per half
 # chunk, before the block kernel; WY["split"] gives each WY column slice its own program. Both lost where timed
-# (split: 1.64 ms at best; halves below).
+# (split: 1.64 ms at best; halves below). Running the WY stage as the intra kernels' epilogue lost too (run 10,
+# commit 0413920, reverted: 1.588 ms at best against 1.568; the intra kernels' two programs an SM starve it).
+#
+# STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
+# registers and the output kernel does not run. At T=8192, H=64: 1.483 ms with 4 warps against 1.572 for the two
+# passes (8 warps with o: 1.580, and miscompiled; see _check_state_table).
 #
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
 # almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
@@ -95,6 +101,14 @@ OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 def _fit(block: int, dim: int) -> int:
     """A launch block clamped to the power-of-two span of `dim` (and to 16, the smallest tl.dot tile)."""
     return max(16, min(block, triton.next_power_of_2(dim)))
+
+
+def _check_state_table() -> None:
+    """The state pass computes o only at 4 warps: at 8, Triton 3.6 miscompiled it on an H200 (o off by 16% of its
+    norm, or an illegal memory access, at T=2048, H=32; commit 62fc004), while 4 warps and the pass without o at 8
+    warps matched the reference in every case tried."""
+    if STATE["output"] and STATE["num_warps"] != 4:
+        raise ValueError(f"chunk.STATE with output=True needs num_warps=4 (the only count verified), got {STATE}")
 
 
 def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
@@ -146,6 +160,7 @@ def chunk_kda(
         ``state_indices``, or None without ``output_final_state``.
     """
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
+    _check_state_table()
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
