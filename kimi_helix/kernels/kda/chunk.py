@@ -1,6 +1,6 @@
 """Triton chunked KDA prefill: varlen, state pool, gate and L2 norm in the kernels.
 
-Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by six kernels over
+Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by five kernels over
 packed tokens (a plain batch is packed as ``B`` equal sequences):
 
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
@@ -8,9 +8,10 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
    the decays, where the chunk's gates allow it (optionally relaunched with a pivot per half chunk);
 3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
-5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o`` (by default), or ``v_new`` and
-   the per-chunk states for
-6. ``kda_chunk_output_kernel``: ``o`` for every chunk in parallel.
+5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o``.
+
+Without ``STATE["output"]`` the state pass stores the per-chunk states and ``v_new`` instead, and a sixth,
+``kda_chunk_output_kernel``, computes ``o`` for every chunk in parallel.
 
 Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
 carried state, which are fp32. Every decay factor is bounded: outside the intra stage they are exponentials of
