@@ -96,11 +96,11 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
          B["num_warps"], B["num_stages"]),
         ("kda wy", kda_chunk_wy_kernel, dict(common, V=V, BS=W["BS"], SPLIT=W["split"]), W["num_warps"],
          W["num_stages"]),
-        (f"kda state (BV={BV})", kda_chunk_state_kernel,
+        (f"kda state (BV={BV}{', with o' if S['output'] else ''})", kda_chunk_state_kernel,
          dict(H=H, K=K, V=V, BT=64, BK=K, BV=BV, HAS_INITIAL_STATE=False, STORE_FINAL_STATE=True,
               USE_STATE_INDICES=False, FUSE_OUTPUT=S["output"], DOT_PREC="tf32"), S["num_warps"], S["num_stages"]),
-        ("kda output", kda_chunk_output_kernel, dict(H=H, K=K, V=V, BT=64, BK=K, BV=O["BV"], DOT_PREC="tf32"),
-         O["num_warps"], O["num_stages"]),
+        ("kda output (runs without STATE['output'])", kda_chunk_output_kernel,
+         dict(H=H, K=K, V=V, BT=64, BK=K, BV=O["BV"], DOT_PREC="tf32"), O["num_warps"], O["num_stages"]),
     ]  # fmt: skip
     return [(name, fn, c, w, s, {}) for name, fn, c, w, s in cases]
 
