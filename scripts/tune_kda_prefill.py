@@ -37,8 +37,12 @@ def _grid(**axes) -> list[dict]:
 
 
 # INTRA and INTRA_BOUNDED (the same kernels, for the two kinds of gate) share one grid: the chunk-wide kernel's
-# settings, and the block kernel alone.
-_INTRA_GRID = _grid(wide=[True], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
+# settings with the whole-chunk pass, the per-half pass or both before the block kernel, and the block kernel alone.
+_INTRA_GRID = [
+    c
+    for c in _grid(wide=[True, False], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
+    if c["wide"] or c["halves"]
+]
 _SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1])
 CANDIDATES = {
     "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False)],

@@ -1,8 +1,8 @@
 """Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
 fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong and steadily
-strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, blocks only), both WY
-launch shapes; bf16 at real shapes and fla parity on the GPU; plus smoke runs of the prefill benchmark, the launch
-tuner and kernel_resources.py."""
+strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, the per-half pass alone,
+blocks only), both WY launch shapes; bf16 at real shapes and fla parity on the GPU; plus smoke runs of the prefill
+benchmark, the launch tuner and kernel_resources.py."""
 
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, d
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-@pytest.fixture(params=[(True, False), (True, True), (False, False)], ids=["wide", "halves", "blocks"])
+@pytest.fixture(
+    params=[(True, False), (True, True), (False, True), (False, False)], ids=["wide", "halves", "halves-only", "blocks"]
+)
 def intra_path(request, monkeypatch):
     """Every intra path: the chunk-wide kernel first (falling back per chunk to the block kernel), with or without
-    its per-half relaunch in between, or the block kernel for every chunk (["wide"], ["halves"] of chunk.INTRA and,
-    for the bounded gate, chunk.INTRA_BOUNDED)."""
+    its per-half relaunch in between, the per-half pass alone before the block kernel, or the block kernel for every
+    chunk (["wide"], ["halves"] of chunk.INTRA and, for the bounded gate, chunk.INTRA_BOUNDED)."""
     from kimi_helix.kernels.kda import chunk
 
     for table in (chunk.INTRA, chunk.INTRA_BOUNDED):

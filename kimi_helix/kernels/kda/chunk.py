@@ -5,7 +5,8 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
 
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
 2. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
-   the decays, where the chunk's gates allow it (optionally relaunched with a pivot per half chunk);
+   the decays, where the chunk's gates allow it (optionally relaunched, or launched alone, with a pivot per half
+   chunk);
 3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o``.
@@ -80,9 +81,10 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # is within 3% of the best, 2.37 ms at BV=32).
 #
 # The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
-# against 1.61 at BS=32. INTRA["halves"] relaunches the chunk-wide kernel on the chunks it left with a pivot per half
-# chunk, before the block kernel; WY["split"] gives each WY column slice its own program. Both lost where timed
-# (split: 1.64 ms at best; halves below). Running the WY stage as the intra kernels' epilogue lost too (run 10,
+# against 1.61 at BS=32. INTRA["halves"] runs the chunk-wide kernel with a pivot per half chunk, before the block
+# kernel, on the chunks the whole-chunk pass left (or, without INTRA["wide"], on every chunk); WY["split"] gives each
+# WY column slice its own program. Both lost where timed (split: 1.64 ms at best; halves after the whole-chunk pass
+# below). Running the WY stage as the intra kernels' epilogue lost too (run 10,
 # commit 0413920, reverted: 1.588 ms at best against 1.568; the intra kernels' two programs an SM starve it).
 #
 # STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
@@ -91,7 +93,10 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 #
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
 # almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
-# (run 9): block kernel alone 1.89 ms, chunk-wide first 2.09, with the per-half relaunch 1.92.
+# (run 9): block kernel alone 1.89 ms, chunk-wide first 2.09, with the per-half relaunch 1.92. On the benchmark's
+# gates no (chunk, head) fits one pivot per 64 rows and every one fits a pivot per 32 (median spreads 128 and 64
+# against MAX_SPREAD 96), so the per-half pass alone (wide=False, halves=True) may beat the block kernel: not yet
+# timed on a GPU.
 INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
 INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
@@ -216,11 +221,13 @@ def chunk_kda(
         wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"])
         if intra["wide"]:
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=False)
-        if intra["wide"] and intra["halves"]:
+        elif intra["halves"]:
+            wide_ok.zero_()  # the per-half pass takes the chunks no earlier pass did: here, all of them
+        if intra["halves"]:
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
         kda_chunk_intra_blocks_kernel[(NT, H)](
-            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"], num_warps=BLOCKS["num_warps"],
-            num_stages=BLOCKS["num_stages"],
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"] or intra["halves"],
+            num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"],
         )  # fmt: skip
         BS = _fit(WY["BS"], max(K, V))
         slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
