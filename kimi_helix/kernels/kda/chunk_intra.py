@@ -217,7 +217,8 @@ def kda_chunk_intra_kernel(
     X_kk = tl.zeros([BT, BT], dtype=tl.float32)
     sq = tl.zeros([BT], dtype=tl.float32)
     sk = tl.zeros([BT], dtype=tl.float32)
-    spread = tl.zeros([BT, BKS], dtype=tl.float32)
+    # per column, reduced over the rows in each slice: a [BT, BKS] running max cost spills (Triton 3.6, sm_90)
+    spread = tl.zeros([BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
@@ -230,7 +231,7 @@ def kda_chunk_intra_kernel(
             b_d = b_g - tl.where(hi[:, None], 0.5 * (g_h + g_last)[None, :], g_lo[None, :])
         else:
             b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
-        spread = tl.maximum(spread, tl.where(m_t[:, None], tl.abs(b_d), 0.0))
+        spread = tl.maximum(spread, tl.max(tl.where(m_t[:, None], tl.abs(b_d), 0.0), axis=0))
         # Entries above the diagonal (and, with HALVES, between the halves) may overflow here; `where` discards
         # them below.
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
@@ -242,7 +243,8 @@ def kda_chunk_intra_kernel(
             b_x = b_g - g_h[None, :]
             x_hi = (m_t & hi)[:, None]
             x_lo = (m_t & (o_t < HALF))[:, None]
-            spread = tl.maximum(spread, tl.maximum(tl.where(x_hi, b_x, 0.0), tl.where(x_lo, -b_x, 0.0)))
+            b_xs = tl.maximum(tl.where(x_hi, b_x, 0.0), tl.where(x_lo, -b_x, 0.0))
+            spread = tl.maximum(spread, tl.max(b_xs, axis=0))
             ex = tl.exp2(tl.where(x_hi, b_x, -float("inf")))
             kx = tl.trans(b_k * tl.exp2(tl.where(x_lo, -b_x, -float("inf"))))
             X_qk = tl.dot(b_q * ex, kx, X_qk, input_precision=DOT_PREC)
@@ -253,7 +255,7 @@ def kda_chunk_intra_kernel(
         same = hi[:, None] == hi[None, :]
         A_qk = tl.where(same, A_qk, X_qk)
         A_kk = tl.where(same, A_kk, X_kk)
-    ok = tl.max(tl.max(spread, axis=1), axis=0) <= MAX_SPREAD
+    ok = tl.max(spread, axis=0) <= MAX_SPREAD
     tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
     if ok:
         rq = tl.full([BT], 1.0, tl.float32)
