@@ -31,6 +31,7 @@ from kimi_helix.kernels.kda import chunk
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
+from kimi_helix.kernels.kda.chunk_intra_halves import kda_chunk_intra_halves_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.mla import decode
@@ -65,10 +66,13 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
 
 
-def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: dict | None = None) -> dict:
-    """Compile `fn` for sm_90 and read its resource usage and SASS instruction counts from the cubin."""
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: dict | None = None,
+              maxnreg: int | None = None) -> dict:  # fmt: skip
+    """Compile `fn` for sm_90 (registers capped at `maxnreg` if given) and read its resource usage and SASS
+    instruction counts from the cubin."""
     src = ASTSource(fn=fn, signature=_signature(fn, constexprs, overrides or {}), constexprs=constexprs)
-    kernel = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    kernel = triton.compile(src, target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -82,27 +86,31 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: 
 
 
 def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
-    """(name, fn, constexprs, warps, stages) of the KDA prefill kernels as chunk_kda launches them for bf16 inputs,
-    one sequence, the L2 norm in the kernel and the gate given."""
+    """(name, fn, constexprs, warps, stages, overrides, maxnreg) of the KDA prefill kernels as chunk_kda launches
+    them for bf16 inputs, one sequence, the L2 norm in the kernel and the gate given."""
     common = dict(H=H, K=K, BT=64, L2NORM=True, DOT_PREC="tf32")
     intra = dict(common, BC=16)
     I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
     BV = chunk.state_block(1, H, V, None)
     cases = [
-        ("kda gate", kda_chunk_gate_kernel, dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False), 4, 3),
-        ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"], HALVES=False),
-         I["num_warps"], I["num_stages"]),
+        ("kda gate", kda_chunk_gate_kernel, dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False), 4, 3,
+         None),
+        ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
+         I["num_stages"], I["maxnreg"]),
+        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
+         I["num_stages"], I["maxnreg"]),
         ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], SKIP_WIDE=True),
-         B["num_warps"], B["num_stages"]),
+         B["num_warps"], B["num_stages"], B["maxnreg"]),
         ("kda wy", kda_chunk_wy_kernel, dict(common, V=V, BS=W["BS"], SPLIT=W["split"]), W["num_warps"],
-         W["num_stages"]),
+         W["num_stages"], None),
         (f"kda state (BV={BV}{', with o' if S['output'] else ''})", kda_chunk_state_kernel,
          dict(H=H, K=K, V=V, BT=64, BK=K, BV=BV, HAS_INITIAL_STATE=False, STORE_FINAL_STATE=True,
-              USE_STATE_INDICES=False, FUSE_OUTPUT=S["output"], DOT_PREC="tf32"), S["num_warps"], S["num_stages"]),
+              USE_STATE_INDICES=False, FUSE_OUTPUT=S["output"], DOT_PREC="tf32"), S["num_warps"], S["num_stages"],
+         None),
         ("kda output (runs without STATE['output'])", kda_chunk_output_kernel,
-         dict(H=H, K=K, V=V, BT=64, BK=K, BV=O["BV"], DOT_PREC="tf32"), O["num_warps"], O["num_stages"]),
+         dict(H=H, K=K, V=V, BT=64, BK=K, BV=O["BV"], DOT_PREC="tf32"), O["num_warps"], O["num_stages"], None),
     ]  # fmt: skip
-    return [(name, fn, c, w, s, {}) for name, fn, c, w, s in cases]
+    return [(name, fn, c, w, s, {}, maxnreg) for name, fn, c, w, s, maxnreg in cases]
 
 
 def mla_cases() -> list[tuple]:
@@ -115,7 +123,7 @@ def mla_cases() -> list[tuple]:
                  RESCALE_SLACK=sched.rescale_slack)  # fmt: skip
         name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys"
         overrides = {"kv_ptr": "*fp8e4nv"} if fp8 else {}
-        cases.append((name, decode.mla_decode_fwd_kernel, c, sched.num_warps, sched.num_stages, overrides))
+        cases.append((name, decode.mla_decode_fwd_kernel, c, sched.num_warps, sched.num_stages, overrides, None))
     return cases
 
 
@@ -135,8 +143,9 @@ def main(argv=None) -> list[dict]:
     header = ["kernel", "warps", "stages", "regs", "stack B", "shared B", *SASS]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     rows = []
-    for name, fn, constexprs, warps, stages, overrides in cases:
-        row = dict(kernel=name, warps=warps, stages=stages, **resources(fn, constexprs, warps, stages, overrides))
+    for name, fn, constexprs, warps, stages, overrides, maxnreg in cases:
+        usage = resources(fn, constexprs, warps, stages, overrides, maxnreg)
+        row = dict(kernel=name, warps=warps, stages=stages, **usage)
         rows.append(row)
         print("| " + " | ".join(str(row[k]) for k in ("kernel", "warps", "stages", "regs", "stack", "shared", *SASS))
               + " |", flush=True)  # fmt: skip

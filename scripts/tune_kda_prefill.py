@@ -38,16 +38,19 @@ def _grid(**axes) -> list[dict]:
 
 # INTRA and INTRA_BOUNDED (the same kernels, for the two kinds of gate) share one grid: the chunk-wide kernel's
 # settings with the whole-chunk pass, the per-half pass or both before the block kernel, and the block kernel alone.
+_PASSES = [dict(wide=w, halves=h) for w, h in ((True, False), (True, True), (False, True))]
 _INTRA_GRID = [
-    c
-    for c in _grid(wide=[True, False], halves=[False, True], BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3])
-    if c["wide"] or c["halves"]
+    dict(p, **c)
+    for p in _PASSES
+    for c in _grid(BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3], maxnreg=[None])
+    + _grid(BKS=[16, 32], num_warps=[4], num_stages=[3], maxnreg=[168, 128])
 ]
-_SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1])
+_SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[128])
 CANDIDATES = {
     "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False)],
     "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False)],
-    "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3]),
+    "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None])
+    + _grid(BKS=[16], num_warps=[2, 4], num_stages=[3], maxnreg=[168, 128]),
     "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
     # with o in the state pass only 4 warps are allowed (chunk._check_state_table)
     "STATE": _grid(output=[True], BV=[16, 32, 64], num_warps=[4], num_stages=[1, 2, 3])
@@ -57,7 +60,7 @@ CANDIDATES = {
 SMOKE_CANDIDATES = {
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
-    "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1]),
+    "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128]),
     "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1]),
     "STATE": _grid(output=[True, False], BV=[16, 32], num_warps=[4], num_stages=[1]),
     "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),

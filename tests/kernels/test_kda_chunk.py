@@ -227,6 +227,40 @@ def test_steady_strong_decay(chunk_size):
     assert_rel_close("final_state", s, s_r, 1e-5)
 
 
+def test_steady_strong_decay_fits_the_halves(monkeypatch):
+    """On test_steady_strong_decay's gates the per-half pass alone takes every chunk (none left to the block
+    kernel), while the chunk-wide pass takes none of the two full chunks (only the 8-row tail); both give the
+    reference's results."""
+    from kimi_helix.kernels.kda import chunk
+
+    T = 136
+    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=29, h=1)
+    gen = torch.Generator().manual_seed(1)
+    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
+    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
+    g = g.to(DEVICE)
+    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
+
+    class Recorder:  # the block kernel's launch, recording which chunks the earlier passes finished
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[7].clone())  # wide_ok [NT, H]
+                return blocks[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
+    o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **{n: x for n, x in kw.items() if n != "chunk_size"})
+    for wide, halves, done in ((True, False, [0, 0, 1]), (False, True, [1, 1, 1])):
+        monkeypatch.setitem(chunk.INTRA, "wide", wide)
+        monkeypatch.setitem(chunk.INTRA, "halves", halves)
+        o, s = chunk_kda(q, k, v, g, beta, **kw)
+        assert seen[-1].flatten().tolist() == done, (wide, halves, seen[-1])
+        assert_rel_close("o", o, o_r, 1e-5)
+        assert_rel_close("final_state", s, s_r, 1e-5)
+
+
 def test_bad_arguments_raise():
     q, k, v, g, beta, s0, A_log, dt_bias = make_inputs(1, 4, seed=0)
     with pytest.raises(ValueError, match="chunk_size"):

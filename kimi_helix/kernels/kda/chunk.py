@@ -5,9 +5,9 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
 
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
 2. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
-   the decays, where the chunk's gates allow it (optionally relaunched, or launched alone, with a pivot per half
-   chunk);
-3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernel left;
+   the decays, where the chunk's gates allow it; optionally ``kda_chunk_intra_halves_kernel`` after it (or
+   instead of it) with a pivot per half chunk;
+3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernels left;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o``.
 
@@ -32,6 +32,7 @@ from kimi_helix.kernels.device import num_sms
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
+from kimi_helix.kernels.kda.chunk_intra_halves import kda_chunk_intra_halves_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.kda.common import (
@@ -81,15 +82,20 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # is within 3% of the best, 2.37 ms at BV=32).
 #
 # The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
-# against 1.61 at BS=32. INTRA["halves"] runs the chunk-wide kernel with a pivot per half chunk, before the block
-# kernel, on the chunks the whole-chunk pass left (or, without INTRA["wide"], on every chunk); WY["split"] gives each
-# WY column slice its own program. Both lost where timed (split: 1.64 ms at best; halves after the whole-chunk pass
-# below). Running the WY stage as the intra kernels' epilogue lost too (run 10,
+# against 1.61 at BS=32. INTRA["halves"] runs the per-half pass (chunk_intra_halves.py) before the block kernel,
+# on the chunks the whole-chunk pass left (or, without INTRA["wide"], on every chunk); WY["split"] gives each WY
+# column slice its own program. Both lost where timed (split: 1.64 ms at best; halves after the whole-chunk pass
+# below, in its first form: the chunk-wide kernel with two extra [BT, BT] accumulators, run 9; the present form,
+# three [BT/2, BT/2] blocks, is untimed). Running the WY stage as the intra kernels' epilogue lost too (run 10,
 # commit 0413920, reverted: 1.588 ms at best against 1.568; the intra kernels' two programs an SM starve it).
 #
 # STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
 # registers and the output kernel does not run. At T=8192, H=64: 1.483 ms with 4 warps against 1.572 for the two
 # passes (8 warps with o: 1.580, and miscompiled; see _check_state_table).
+#
+# maxnreg caps the registers a thread (None: ptxas's choice). The intra kernels take all 255 at 4 warps, so an SM
+# holds two programs; under Triton 3.6 for sm_90 a cap of 168 (three programs) costs the chunk-wide kernel 112
+# bytes of spill and 128 (four) 336 bytes. Untimed on a GPU.
 #
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
 # almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
@@ -97,9 +103,9 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # gates no (chunk, head) fits one pivot per 64 rows and every one fits a pivot per 32 (median spreads 128 and 64
 # against MAX_SPREAD 96), so the per-half pass alone (wide=False, halves=True) may beat the block kernel: not yet
 # timed on a GPU.
-INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3)
-INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3)
-BLOCKS = dict(BKS=16, num_warps=2, num_stages=3)
+INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
+INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
+BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
 WY = dict(split=False, BS=64, num_warps=8, num_stages=3)
 STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
@@ -218,16 +224,18 @@ def chunk_kda(
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
         intra = INTRA if lower_bound is None else INTRA_BOUNDED
-        wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"])
+        wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"],
+                    maxnreg=intra["maxnreg"])  # fmt: skip
+        halves = intra["halves"] and chunk_size >= 32  # a half chunk must fill a 16-row dot
         if intra["wide"]:
-            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=False)
-        elif intra["halves"]:
+            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide)
+        elif halves:
             wide_ok.zero_()  # the per-half pass takes the chunks no earlier pass did: here, all of them
-        if intra["halves"]:
-            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide, HALVES=True)
+        if halves:
+            kda_chunk_intra_halves_kernel[(NT, H)](*args, **common, **wide)
         kda_chunk_intra_blocks_kernel[(NT, H)](
-            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"] or intra["halves"],
-            num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"],
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"] or halves,
+            num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"], maxnreg=BLOCKS["maxnreg"],
         )  # fmt: skip
         BS = _fit(WY["BS"], max(K, V))
         slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1

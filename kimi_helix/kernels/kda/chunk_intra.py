@@ -171,6 +171,20 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
 
 
 @triton.jit
+def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Turns the strictly lower beta-scaled A_kk this program just stored in Ai (row stride S) into (I + A)^-1:
+    the diagonal blocks inverted, then the blocks below them."""
+    # The blocks are read back, and rewritten, by other threads of this program.
+    tl.debug_barrier()
+    for i in tl.static_range(BT // BC):
+        A_ii = _tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
+        tl.debug_barrier()
+        _store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
+    tl.debug_barrier()
+    _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
+
+
+@triton.jit
 def kda_chunk_intra_kernel(
     q,
     k,
@@ -190,31 +204,20 @@ def kda_chunk_intra_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    HALVES: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
     q and k and beta applied to the dot results. Writes wide_ok[chunk, head] = 1 when done; 0 (nothing else
-    stored) when the decay spread is too wide, for the block kernel to take over.
-
-    HALVES is a second launch for the chunks the first left: each half of the chunk is factored around its own mid
-    decay, and the rows of the second half against the columns of the first around the decay at the boundary row,
-    where both factors are decays; so only each half's spread has to fit."""
+    stored) when the decay spread is too wide, for the per-half pass (chunk_intra_halves.py) or the block kernel
+    to take over."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    if HALVES:  # noqa: SIM102 - a constexpr test: without it the flag is never loaded
-        if tl.load(wide_ok + i_c * H + i_h) != 0:
-            return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    HALF: tl.constexpr = BT // 2
-    hi = o_t >= HALF  # rows (and columns) of the second half
     A_qk = tl.zeros([BT, BT], dtype=tl.float32)
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    X_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    X_kk = tl.zeros([BT, BT], dtype=tl.float32)
     sq = tl.zeros([BT], dtype=tl.float32)
     sk = tl.zeros([BT], dtype=tl.float32)
     # per column, reduced over the rows in each slice: a [BT, BKS] running max cost spills (Triton 3.6, sm_90)
@@ -225,36 +228,15 @@ def kda_chunk_intra_kernel(
         b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
         g_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
-        if HALVES:
-            g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
-            g_lo = 0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS))
-            b_d = b_g - tl.where(hi[:, None], 0.5 * (g_h + g_last)[None, :], g_lo[None, :])
-        else:
-            b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
+        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
         spread = tl.maximum(spread, tl.max(tl.where(m_t[:, None], tl.abs(b_d), 0.0), axis=0))
-        # Entries above the diagonal (and, with HALVES, between the halves) may overflow here; `where` discards
-        # them below.
+        # entries above the diagonal may overflow here; `where` discards them below
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
         kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
         A_qk = tl.dot(b_q * e, kt, A_qk, input_precision=DOT_PREC)
         A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
-        if HALVES:
-            # second-half rows against first-half columns; the factors exceed 1 only for a non-monotone G
-            b_x = b_g - g_h[None, :]
-            x_hi = (m_t & hi)[:, None]
-            x_lo = (m_t & (o_t < HALF))[:, None]
-            b_xs = tl.maximum(tl.where(x_hi, b_x, 0.0), tl.where(x_lo, -b_x, 0.0))
-            spread = tl.maximum(spread, tl.max(b_xs, axis=0))
-            ex = tl.exp2(tl.where(x_hi, b_x, -float("inf")))
-            kx = tl.trans(b_k * tl.exp2(tl.where(x_lo, -b_x, -float("inf"))))
-            X_qk = tl.dot(b_q * ex, kx, X_qk, input_precision=DOT_PREC)
-            X_kk = tl.dot(b_k * ex, kx, X_kk, input_precision=DOT_PREC)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
-    if HALVES:
-        same = hi[:, None] == hi[None, :]
-        A_qk = tl.where(same, A_qk, X_qk)
-        A_kk = tl.where(same, A_kk, X_kk)
     ok = tl.max(spread, axis=0) <= MAX_SPREAD
     tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
     if ok:
@@ -271,11 +253,4 @@ def kda_chunk_intra_kernel(
         A_kk = tl.where(o_t[:, None] > o_t[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
         tl.store(Aqk + offs, A_qk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
         tl.store(Ai + offs, A_kk, mask=m_t[:, None])
-        # The blocks are read back, and rewritten, by other threads of this program.
-        tl.debug_barrier()
-        for i in tl.static_range(BT // BC):
-            A_ii = _tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
-            tl.debug_barrier()
-            _store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
-        tl.debug_barrier()
-        _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
+        invert_in_place(Ai, T, S, BT, BC, DOT_PREC)

@@ -1,0 +1,141 @@
+"""The per-half pass of the Triton KDA intra stage: a chunk's A_qk and (I + A_kk)^-1 from three half-chunk blocks.
+
+For chunks whose decay spread is too wide for one pivot per chunk (chunk_intra.py) but fits one per half: each
+half's diagonal block factors ``exp2(G_i - G_j)`` around its own mid decay, and the second half's rows against the
+first half's columns around the decay at the boundary row, ``exp2(G_i - G_h) exp2(G_h - G_j)``, where both factors
+are decays for a monotone G. Only the three blocks that exist are accumulated, ``[BT/2, BT/2]`` each, so six of them
+(q and k dots) hold fewer registers than the chunk-wide kernel's two ``[BT, BT]``. Chunks that still do not fit
+are flagged for the block kernel (chunk_intra_blocks.py).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kimi_helix.kernels.kda.chunk_intra import (
+    MAX_SPREAD,
+    _at_chunk,
+    _chunk_span,
+    _row,
+    _store_tile,
+    _tile,
+    invert_in_place,
+)
+
+
+@triton.jit
+def _factors(b_d, m, b_k):
+    """The row factors exp2(d) of a half block and its transposed column factor (k exp2(-d))^T, masked rows
+    zero."""
+    return (tl.exp2(tl.where(m[:, None], b_d, -float("inf"))),
+            tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf")))))  # fmt: skip
+
+
+@triton.jit
+def _half(q, k, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr, BKS: tl.constexpr):
+    """Columns c .. c+BKS of the half at row r0: q, k and G as fp32 [HALF, BKS] tiles (zero outside)."""
+    HK = H * K
+    return (_tile(q, r0, c, T, K, HK, HALF, BKS), _tile(k, r0, c, T, K, HK, HALF, BKS),
+            _tile(G, r0, c, T, K, HK, HALF, BKS))  # fmt: skip
+
+
+@triton.jit
+def _norms(sq, sk, rnorm, r0, m, H: tl.constexpr, HALF: tl.constexpr, L2NORM: tl.constexpr):
+    """1/|q| and 1/|k| of the half at row r0 (stored to rnorm for the WY kernel; ones without the L2 norm)."""
+    if L2NORM:
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        rows = r0 + tl.arange(0, HALF)
+        tl.store(rnorm + rows * (2 * H), rq, mask=m)
+        tl.store(rnorm + rows * (2 * H) + 1, rk, mask=m)
+        return rq, rk
+    return tl.full([HALF], 1.0, tl.float32), tl.full([HALF], 1.0, tl.float32)
+
+
+@triton.jit
+def kda_chunk_intra_halves_kernel(
+    q,
+    k,
+    G,
+    beta,
+    Aqk,
+    Ai,
+    rnorm,
+    wide_ok,
+    cu_seqlens,
+    chunk_indices,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BKS: tl.constexpr,
+    L2NORM: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """A_qk and (I + A_kk)^-1 of one chunk and head (BT >= 32) for the chunks wide_ok does not mark done; sets
+    wide_ok[chunk, head] = 1 when done, 0 (nothing else stored) when a half's spread is too wide."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    if tl.load(wide_ok + i_c * H + i_h) != 0:
+        return
+    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
+    HK = H * K
+    HALF: tl.constexpr = BT // 2
+    o_h = tl.arange(0, HALF)
+    m0 = o_h < T
+    m1 = HALF + o_h < T
+    Z = tl.zeros([HALF, HALF], dtype=tl.float32)
+    A00q, A00k, A11q, A11k, X10q, X10k = Z, Z, Z, Z, Z, Z
+    z = tl.zeros([HALF], dtype=tl.float32)
+    sq0, sk0, sq1, sk1 = z, z, z, z
+    # per column, reduced over the rows in each slice (a running [rows, BKS] max costs registers)
+    spread = tl.zeros([BKS], dtype=tl.float32)
+    for c in range(0, K, BKS):
+        q0, k0, g0 = _half(q, k, G, 0, c, T, H, K, HALF, BKS)
+        q1, k1, g1 = _half(q, k, G, HALF, c, T, H, K, HALF, BKS)
+        g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
+        # each half's pivot halfway between its first and last decay
+        d0 = g0 - (0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS)))[None, :]
+        d1 = g1 - (0.5 * (g_h + _row(G, T - 1, c, HK, K, BKS)))[None, :]
+        # the cross block's factors exp2(g1 - g_h) and exp2(g_h - g0) exceed 1 only for a non-monotone G
+        x1 = g1 - g_h[None, :]
+        x0 = g_h[None, :] - g0
+        b_s = tl.maximum(tl.where(m0[:, None], tl.maximum(tl.abs(d0), x0), 0.0),
+                         tl.where(m1[:, None], tl.maximum(tl.abs(d1), x1), 0.0))  # fmt: skip
+        spread = tl.maximum(spread, tl.max(b_s, axis=0))
+        # entries above the diagonal may overflow here; `where` discards them below
+        e0, kt0 = _factors(d0, m0, k0)
+        A00q = tl.dot(q0 * e0, kt0, A00q, input_precision=DOT_PREC)
+        A00k = tl.dot(k0 * e0, kt0, A00k, input_precision=DOT_PREC)
+        e1, kt1 = _factors(d1, m1, k1)
+        A11q = tl.dot(q1 * e1, kt1, A11q, input_precision=DOT_PREC)
+        A11k = tl.dot(k1 * e1, kt1, A11k, input_precision=DOT_PREC)
+        ex = tl.exp2(tl.where(m1[:, None], x1, -float("inf")))
+        ktx = tl.trans(k0 * tl.exp2(tl.where(m0[:, None], x0, -float("inf"))))
+        X10q = tl.dot(q1 * ex, ktx, X10q, input_precision=DOT_PREC)
+        X10k = tl.dot(k1 * ex, ktx, X10k, input_precision=DOT_PREC)
+        sq0 += tl.sum(q0 * q0, axis=1)
+        sk0 += tl.sum(k0 * k0, axis=1)
+        sq1 += tl.sum(q1 * q1, axis=1)
+        sk1 += tl.sum(k1 * k1, axis=1)
+    ok = tl.max(spread, axis=0) <= MAX_SPREAD
+    tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
+    if ok:
+        rq0, rk0 = _norms(sq0, sk0, rnorm, 0, m0, H, HALF, L2NORM)
+        rq1, rk1 = _norms(sq1, sk1, rnorm, HALF, m1, H, HALF, L2NORM)
+        b0 = tl.load(beta + o_h * H, mask=m0, other=0.0).to(tl.float32)
+        b1 = tl.load(beta + (HALF + o_h) * H, mask=m1, other=0.0).to(tl.float32)
+        on, below = o_h[:, None] >= o_h[None, :], o_h[:, None] > o_h[None, :]
+        S = H * BT
+        A00q = tl.where(on, A00q * (rq0 * scale)[:, None] * rk0[None, :], 0.0)
+        A11q = tl.where(on, A11q * (rq1 * scale)[:, None] * rk1[None, :], 0.0)
+        _store_tile(Aqk, A00q, 0, 0, T, BT, S, HALF, HALF)
+        _store_tile(Aqk, X10q * (rq1 * scale)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
+        _store_tile(Aqk, A11q, HALF, HALF, T, BT, S, HALF, HALF)
+        _store_tile(Ai, tl.where(below, A00k * (rk0 * b0)[:, None] * rk0[None, :], 0.0), 0, 0, T, BT, S, HALF, HALF)
+        _store_tile(Ai, X10k * (rk1 * b1)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
+        A11k = tl.where(below, A11k * (rk1 * b1)[:, None] * rk1[None, :], 0.0)
+        _store_tile(Ai, A11k, HALF, HALF, T, BT, S, HALF, HALF)
+        invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
