@@ -6,9 +6,10 @@ are kept in log2 units (``G = cumsum(g) / ln 2``) so every decay is one ``exp2``
 the pairwise decay ``exp2(G_i - G_j)`` per key dimension; ``kda_chunk_intra_kernel`` factors it around a pivot c
 halfway between the chunk's first and last decay, ``exp2(G_i - c) exp2(c - G_j)``, so that two ``[BT, BT]``
 tensor-core dots per column slice give every entry. Both factors are bounded by the decay spread around c; a
-chunk whose spread exceeds ``MAX_SPREAD`` (a gate strong enough to overflow a factor) is flagged; an optional
-second launch takes the flagged chunks with a pivot per half chunk, and ``kda_chunk_intra_blocks_kernel``
-(chunk_intra_blocks.py) redoes what is left with a pivot inside every 16-row block, exactly for any gate.
+chunk whose spread exceeds ``MAX_SPREAD`` (a gate strong enough to overflow a factor) is flagged; the optional
+per-half pass (chunk_intra_halves.py) takes flagged chunks with a pivot per half chunk, and
+``kda_chunk_intra_blocks_kernel`` (chunk_intra_blocks.py) redoes what is left with a pivot inside every 16-row
+block, exactly for any gate.
 
 ``(I + A_kk)^-1`` comes from the 16x16 diagonal blocks, inverted as products of powers, and block products below
 them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads.
