@@ -102,7 +102,7 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
         ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], SKIP_WIDE=True),
          B["num_warps"], B["num_stages"], B["maxnreg"]),
         ("kda wy", kda_chunk_wy_kernel, dict(common, V=V, BS=W["BS"], SPLIT=W["split"]), W["num_warps"],
-         W["num_stages"], None),
+         W["num_stages"], W["maxnreg"]),
         (f"kda state (BV={BV}{', with o' if S['output'] else ''})", kda_chunk_state_kernel,
          dict(H=H, K=K, V=V, BT=64, BK=K, BV=BV, HAS_INITIAL_STATE=False, STORE_FINAL_STATE=True,
               USE_STATE_INDICES=False, FUSE_OUTPUT=S["output"], DOT_PREC="tf32"), S["num_warps"], S["num_stages"],

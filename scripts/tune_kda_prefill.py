@@ -51,7 +51,8 @@ CANDIDATES = {
     "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None])
     + _grid(BKS=[16], num_warps=[2, 4], num_stages=[3], maxnreg=[168, 128]),
-    "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3]),
+    "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3], maxnreg=[None])
+    + _grid(split=[False], BS=[32, 64], num_warps=[4, 8], num_stages=[3], maxnreg=[128]),
     # with o in the state pass only 4 warps are allowed (chunk._check_state_table)
     "STATE": _grid(output=[True], BV=[16, 32, 64], num_warps=[4], num_stages=[1, 2, 3])
     + _grid(output=[False], BV=[32, 64], num_warps=[4, 8], num_stages=[3]),
@@ -61,7 +62,7 @@ SMOKE_CANDIDATES = {
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128]),
-    "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1]),
+    "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1], maxnreg=[None, 128]),
     "STATE": _grid(output=[True, False], BV=[16, 32], num_warps=[4], num_stages=[1]),
     "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),
 }

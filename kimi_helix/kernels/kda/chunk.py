@@ -95,7 +95,8 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 #
 # maxnreg caps the registers a thread (None: ptxas's choice). The intra kernels take all 255 at 4 warps, so an SM
 # holds two programs; under Triton 3.6 for sm_90 a cap of 168 (three programs) costs the chunk-wide kernel 112
-# bytes of spill and 128 (four) 336 bytes. Untimed on a GPU.
+# bytes of spill and 128 (four) 336 bytes. The WY kernel takes 248 at 8 warps (one program an SM); capped at 128
+# (two) it spills 248 bytes. Untimed on a GPU.
 #
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
 # almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
@@ -106,7 +107,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
 INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
-WY = dict(split=False, BS=64, num_warps=8, num_stages=3)
+WY = dict(split=False, BS=64, num_warps=8, num_stages=3, maxnreg=None)
 STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
@@ -242,7 +243,7 @@ def chunk_kda(
         kda_chunk_wy_kernel[(NT, H, slices)](
             q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
             H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
-            SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"],
+            SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
         )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
