@@ -42,7 +42,7 @@ _PASSES = [dict(wide=w, halves=h) for w, h in ((True, False), (True, True), (Fal
 _INTRA_GRID = [
     dict(p, **c)
     for p in _PASSES
-    for c in _grid(BKS=[16, 32], num_warps=[4, 8], num_stages=[2, 3], maxnreg=[None])
+    for c in _grid(BKS=[16, 32], num_warps=[4, 8], num_stages=[3], maxnreg=[None])
     + _grid(BKS=[16, 32], num_warps=[4], num_stages=[3], maxnreg=[168, 128])
 ]
 _SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[128])
