@@ -4,6 +4,7 @@ the state-traffic floor).
     python scripts/bench_kda.py                                  # both phases, the full grids (H200: a few minutes)
     python scripts/bench_kda.py --phase prefill --T 8192 --H 64  # one prefill case (the target: <= 1.2 ms on an H200)
     python scripts/bench_kda.py --phase prefill --breakdown      # also the time of each kernel (torch.profiler)
+    python scripts/bench_kda.py --phase prefill --chunk-size 32  # our kernels at 32-token chunks (fla keeps 64)
     python scripts/bench_kda.py --phase decode --tokens 1 4      # decode and verify (k + 1 = 4 tokens per sequence)
     python scripts/bench_kda.py --phase decode --sweep           # also the (BV, num_warps) sweep, to retune _config
     python scripts/bench_kda.py --smoke                          # tiny shapes (CPU: the Triton interpreter)
@@ -109,7 +110,8 @@ def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdo
     for name, fn in backends.items():
         ms = bench_ms(fn, device, cpu_reps=2)
         row = dict(phase="prefill", T=T, H=H, K=D, V=D, dtype=str(dtype).removeprefix("torch."), backend=name, ms=ms)
-        if name.startswith("triton"):  # the launch tables the row was measured with
+        if name.startswith("triton"):  # the chunk size and launch tables the row was measured with
+            row["chunk_size"] = chunk_size
             intra = "INTRA" if name == "triton" else "INTRA_BOUNDED"
             row["launch"] = {t: dict(getattr(kda_chunk, t)) for t in (intra, "BLOCKS", "WY", "STATE", "OUTPUT")}
         row["tflops"] = prefill_flops(T, H, D, D) / ms / 1e9
@@ -161,7 +163,7 @@ def run_prefill(args, device, meta) -> list[dict]:
     if args.smoke:  # the interpreter garbles bf16, so the CPU smoke run uses fp16
         cases, dtype, D, chunk_size = [(40, 2)], torch.float16, 16, 16
     else:
-        cases, dtype, D, chunk_size = [(t, h) for t in args.T for h in args.H], torch.bfloat16, 128, 64
+        cases, dtype, D, chunk_size = [(t, h) for t in args.T for h in args.H], torch.bfloat16, 128, args.chunk_size
     with JsonlWriter(args.out / "kda_prefill.jsonl") as out:
         for T, H in cases:
             for row in prefill_case(T, H, D, dtype, device, chunk_size, args.breakdown):
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--T", nargs="+", type=int, default=[2048, 8192, 16384], help="prefill sequence lengths")
     p.add_argument("--H", nargs="+", type=int, default=[32, 64, 96], help="prefill head counts")
     p.add_argument("--breakdown", action="store_true", help="prefill: also time each kernel (GPU)")
+    p.add_argument("--chunk-size", type=int, choices=[16, 32, 64], default=64, help="prefill: chunk_kda's chunk size")
     p.add_argument("--ns", nargs="+", type=int, default=[1, 64, 256], help="decode sequence counts")
     p.add_argument("--tokens", nargs="+", type=int, default=[1], help="decode tokens per sequence (1 = decode)")
     p.add_argument("--sweep", action="store_true", help="decode: also time every (BV, num_warps) in SWEEP")
