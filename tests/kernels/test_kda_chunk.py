@@ -129,12 +129,14 @@ def test_no_l2norm_custom_scale_no_state():
     assert_rel_close("o", o, naive_recurrent_kda(q, k, v, g, beta, scale=0.37)[0], 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype, chunk_size", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 64)],
+                         ids=["fp32", "fp16", "fp32-64"])  # fmt: skip
 @pytest.mark.usefixtures("intra_path")
-def test_varlen_equals_per_sequence(dtype):
+def test_varlen_equals_per_sequence(dtype, chunk_size):
+    """At 64-token chunks every sequence is one partial chunk, shorter and longer than half of one."""
     q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=7, dtype=dtype, n_states=len(LENS))
     cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=16)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
     for n, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if e == b:  # an empty sequence passes its state through
