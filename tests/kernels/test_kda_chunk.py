@@ -211,17 +211,21 @@ def test_strong_gates_stay_finite(chunk_size):
     assert_rel_close("final_state", s, s_r, tol)
 
 
+def _steady_decay_inputs(T=136):
+    """Log-decays near -4 per token on a quarter of the channels of every token, mild elsewhere."""
+    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=29, h=1)
+    gen = torch.Generator().manual_seed(1)
+    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
+    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
+    return q, k, v, g.to(DEVICE), beta, s0
+
+
 @pytest.mark.parametrize("chunk_size", [32, 64])
 @pytest.mark.usefixtures("intra_path")
 def test_steady_strong_decay(chunk_size):
     """Log-decays near -4 per token on a quarter of the channels of every token: a whole chunk spans more than the
     chunk-wide factorisation allows, each half chunk does not (the regime of the per-half relaunch)."""
-    T = 136
-    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=29, h=1)
-    gen = torch.Generator().manual_seed(1)
-    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
-    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
-    g = g.to(DEVICE)
+    q, k, v, g, beta, s0 = _steady_decay_inputs()
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
@@ -235,12 +239,7 @@ def test_steady_strong_decay_fits_the_halves(monkeypatch):
     reference's results."""
     from kimi_helix.kernels.kda import chunk
 
-    T = 136
-    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=29, h=1)
-    gen = torch.Generator().manual_seed(1)
-    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
-    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
-    g = g.to(DEVICE)
+    q, k, v, g, beta, s0 = _steady_decay_inputs()
     blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
 
     class Recorder:  # the block kernel's launch, recording which chunks the earlier passes finished

@@ -13,15 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import (
-    MAX_SPREAD,
-    _at_chunk,
-    _chunk_span,
-    _row,
-    _store_tile,
-    _tile,
-    invert_in_place,
-)
+from kimi_helix.kernels.kda.chunk_intra import MAX_SPREAD, _at_chunk, _chunk_span, _row, _store_tile, invert_in_place
+from kimi_helix.kernels.kda.chunk_intra_blocks import _norm_beta, _slice
 
 
 @triton.jit
@@ -30,27 +23,6 @@ def _factors(b_d, m, b_k):
     zero."""
     return (tl.exp2(tl.where(m[:, None], b_d, -float("inf"))),
             tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf")))))  # fmt: skip
-
-
-@triton.jit
-def _half(q, k, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr, BKS: tl.constexpr):
-    """Columns c .. c+BKS of the half at row r0: q, k and G as fp32 [HALF, BKS] tiles (zero outside)."""
-    HK = H * K
-    return (_tile(q, r0, c, T, K, HK, HALF, BKS), _tile(k, r0, c, T, K, HK, HALF, BKS),
-            _tile(G, r0, c, T, K, HK, HALF, BKS))  # fmt: skip
-
-
-@triton.jit
-def _norms(sq, sk, rnorm, r0, m, H: tl.constexpr, HALF: tl.constexpr, L2NORM: tl.constexpr):
-    """1/|q| and 1/|k| of the half at row r0 (stored to rnorm for the WY kernel; ones without the L2 norm)."""
-    if L2NORM:
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-        rows = r0 + tl.arange(0, HALF)
-        tl.store(rnorm + rows * (2 * H), rq, mask=m)
-        tl.store(rnorm + rows * (2 * H) + 1, rk, mask=m)
-        return rq, rk
-    return tl.full([HALF], 1.0, tl.float32), tl.full([HALF], 1.0, tl.float32)
 
 
 @triton.jit
@@ -93,8 +65,8 @@ def kda_chunk_intra_halves_kernel(
     # per column, reduced over the rows in each slice (a running [rows, BKS] max costs registers)
     spread = tl.zeros([BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
-        q0, k0, g0 = _half(q, k, G, 0, c, T, H, K, HALF, BKS)
-        q1, k1, g1 = _half(q, k, G, HALF, c, T, H, K, HALF, BKS)
+        q0, k0, g0 = _slice(q, k, G, 0, c, T, H, K, HALF, BKS)
+        q1, k1, g1 = _slice(q, k, G, HALF, c, T, H, K, HALF, BKS)
         g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
         # each half's pivot halfway between its first and last decay
         d0 = g0 - (0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS)))[None, :]
@@ -123,10 +95,8 @@ def kda_chunk_intra_halves_kernel(
     ok = tl.max(spread, axis=0) <= MAX_SPREAD
     tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
     if ok:
-        rq0, rk0 = _norms(sq0, sk0, rnorm, 0, m0, H, HALF, L2NORM)
-        rq1, rk1 = _norms(sq1, sk1, rnorm, HALF, m1, H, HALF, L2NORM)
-        b0 = tl.load(beta + o_h * H, mask=m0, other=0.0).to(tl.float32)
-        b1 = tl.load(beta + (HALF + o_h) * H, mask=m1, other=0.0).to(tl.float32)
+        rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, HALF, L2NORM)
+        rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, HALF, T, H, HALF, L2NORM)
         on, below = o_h[:, None] >= o_h[None, :], o_h[:, None] > o_h[None, :]
         S = H * BT
         A00q = tl.where(on, A00q * (rq0 * scale)[:, None] * rk0[None, :], 0.0)
