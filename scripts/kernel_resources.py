@@ -70,7 +70,12 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: 
               maxnreg: int | None = None) -> dict:  # fmt: skip
     """Compile `fn` for sm_90 (registers capped at `maxnreg` if given) and read its resource usage and SASS
     instruction counts from the cubin."""
-    src = ASTSource(fn=fn, signature=_signature(fn, constexprs, overrides or {}), constexprs=constexprs)
+    signature = _signature(fn, constexprs, overrides or {})
+    # As the launcher specialises them: torch's allocations are 16-byte aligned, and the strides at real shapes are
+    # multiples of 16 elements. Without these hints Triton cannot vectorise loads or issue cp.async.
+    aligned = [i for i, (name, ty) in enumerate(signature.items()) if ty.startswith("*") or name.startswith("stride_")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
     kernel = triton.compile(src, target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
