@@ -84,28 +84,26 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
 # against 1.61 at BS=32. INTRA["halves"] runs the per-half pass (chunk_intra_halves.py) before the block kernel,
 # on the chunks the whole-chunk pass left (or, without INTRA["wide"], on every chunk); WY["split"] gives each WY
-# column slice its own program. Both lost where timed (split: 1.64 ms at best; halves after the whole-chunk pass
-# below, in its first form: the chunk-wide kernel with two extra [BT, BT] accumulators, run 9; the present form,
-# three [BT/2, BT/2] blocks, is untimed). Running the WY stage as the intra kernels' epilogue lost too (run 10,
-# commit 0413920, reverted: 1.588 ms at best against 1.568; the intra kernels' two programs an SM starve it).
+# column slice its own program. Both lost where timed (split: 1.64 ms at best, run 9; halves after the whole-chunk
+# pass: 1.61 ms at best against 1.59 without, run 11). Running the WY stage as the intra kernels' epilogue lost too
+# (run 10, commit 0413920, reverted: 1.588 ms at best against 1.568; the intra kernels' two programs an SM starve
+# it).
 #
 # STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
 # registers and the output kernel does not run. At T=8192, H=64: 1.483 ms with 4 warps against 1.572 for the two
 # passes (8 warps with o: 1.580, and miscompiled; see _check_state_table).
 #
-# maxnreg caps the registers a thread (None: ptxas's choice). The intra kernels take all 255 at 4 warps, so an SM
-# holds two programs; under Triton 3.6 for sm_90 a cap of 168 (three programs) costs the chunk-wide kernel 112
-# bytes of spill and 128 (four) 336 bytes. The WY kernel takes 248 at 8 warps (one program an SM); capped at 128
-# (two) it spills 248 bytes. Untimed on a GPU.
+# maxnreg caps the registers a thread (None: ptxas's choice). Run 11 (commit 2fd19c0) timed caps of 168 and 128 on
+# the intra kernels and 128 on WY: none beat None by more than the run-to-run spread (the chunk-wide kernel 419 us
+# capped at 168 against 418 uncapped), and the block kernel lost 50-220% capped.
 #
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
-# almost every chunk's spread too wide for the chunk-wide kernel, so it runs the block kernel alone. With bound -5
-# (run 9): block kernel alone 1.89 ms, chunk-wide first 2.09, with the per-half relaunch 1.92. On the benchmark's
-# gates no (chunk, head) fits one pivot per 64 rows and every one fits a pivot per 32 (median spreads 128 and 64
-# against MAX_SPREAD 96), so the per-half pass alone (wide=False, halves=True) may beat the block kernel: not yet
-# timed on a GPU.
+# almost every chunk's spread too wide for the chunk-wide kernel (on the benchmark's gates no (chunk, head) fits one
+# pivot per 64 rows, every one fits a pivot per 32), so the per-half pass runs alone, the block kernel taking what
+# it leaves. With bound -5 at T=8192, H=64 (run 11, commit 2fd19c0): 1.690 ms (per-half kernel 726 us) against
+# 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best.
 INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
-INTRA_BOUNDED = dict(wide=False, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
+INTRA_BOUNDED = dict(wide=False, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=None)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
 WY = dict(split=False, BS=64, num_warps=8, num_stages=3, maxnreg=None)
 STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)

@@ -221,8 +221,9 @@ def kda_chunk_intra_kernel(
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     sq = tl.zeros([BT], dtype=tl.float32)
     sk = tl.zeros([BT], dtype=tl.float32)
-    # per column, reduced over the rows in each slice: a [BT, BKS] running max cost spills (Triton 3.6, sm_90)
-    spread = tl.zeros([BKS], dtype=tl.float32)
+    # an elementwise running max, reduced once at the end: reducing over the rows in every slice instead spilled
+    # less but took 550 us against 418 at T=8192, H=64 on an H200 (run 11, commit 0993644, reverted)
+    spread = tl.zeros([BT, BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
@@ -230,7 +231,7 @@ def kda_chunk_intra_kernel(
         g_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
         b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
-        spread = tl.maximum(spread, tl.max(tl.where(m_t[:, None], tl.abs(b_d), 0.0), axis=0))
+        spread = tl.maximum(spread, tl.where(m_t[:, None], tl.abs(b_d), 0.0))
         # entries above the diagonal may overflow here; `where` discards them below
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
         kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
@@ -238,7 +239,7 @@ def kda_chunk_intra_kernel(
         A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
-    ok = tl.max(spread, axis=0) <= MAX_SPREAD
+    ok = tl.max(tl.max(spread, axis=1), axis=0) <= MAX_SPREAD
     tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
     if ok:
         rq = tl.full([BT], 1.0, tl.float32)
