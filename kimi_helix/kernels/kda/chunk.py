@@ -29,7 +29,7 @@ import torch
 import triton
 
 from kimi_helix.kernels.device import num_sms
-from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel, kda_chunk_state_wy_kernel
+from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
 from kimi_helix.kernels.kda.chunk_intra_halves import kda_chunk_intra_halves_kernel
@@ -106,7 +106,7 @@ INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg
 INTRA_BOUNDED = dict(wide=False, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=None)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
 WY = dict(split=False, BS=64, num_warps=8, num_stages=3, maxnreg=None)
-STATE = dict(output=True, wy=False, BV=64, num_warps=4, num_stages=3)
+STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
 
@@ -119,10 +119,8 @@ def _check_state_table() -> None:
     """The state pass computes o only at 4 warps: at 8, Triton 3.6 miscompiled it on an H200 (o off by 16% of its
     norm, or an illegal memory access, at T=2048, H=32; commit 62fc004), while 4 warps and the pass without o at 8
     warps matched the reference in every case tried."""
-    if STATE["output"] and not STATE["wy"] and STATE["num_warps"] != 4:
+    if STATE["output"] and STATE["num_warps"] != 4:
         raise ValueError(f"chunk.STATE with output=True needs num_warps=4 (the only count verified), got {STATE}")
-    if STATE["wy"] and not STATE["output"]:
-        raise ValueError(f"chunk.STATE with wy=True needs output=True (the output kernel reads qg), got {STATE}")
 
 
 def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
@@ -199,10 +197,8 @@ def chunk_kda(
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    if not STATE["wy"]:  # the WY kernel's products, which the state pass with wy computes itself
-        w, kg, qg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(3))
-        u = torch.empty_like(o)
+    w, kg, qg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(3))
+    u, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(2))
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
     wide_ok = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # chunks the chunk-wide intra kernel did
@@ -240,17 +236,6 @@ def chunk_kda(
             *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"] or halves,
             num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"], maxnreg=BLOCKS["maxnreg"],
         )  # fmt: skip
-    BV = state_block(N, H, V, q.device.index)
-    if STATE["wy"]:
-        kda_chunk_state_wy_kernel[(triton.cdiv(V, BV), N * H)](
-            q, k, v, G, beta, Ai, rnorm, Aqk, o, initial_state, final_state, state_indices, cu, scale,
-            H=H, K=K, V=V, BT=chunk_size, BKH=max(16, BK // 2), BV=BV, L2NORM=use_qk_l2norm_in_kernel,
-            HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-            USE_STATE_INDICES=state_indices is not None, DOT_PREC=dot_prec,
-            num_warps=STATE["num_warps"], num_stages=STATE["num_stages"],
-        )  # fmt: skip
-        return o, final_state
-    if NT:
         BS = _fit(WY["BS"], max(K, V))
         slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
@@ -258,6 +243,7 @@ def chunk_kda(
             H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
         )  # fmt: skip
+    BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, G, qg, Aqk, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
