@@ -49,8 +49,9 @@ DEFAULTS = dict(decode.SCHEDULES)  # the committed schedules, before the sweep o
 def candidates(rows: int, smoke: bool) -> list[decode.Schedule]:
     if smoke:
         return [decode.Schedule(32, 4, 1, 0.0), decode.Schedule(32, 4, 1, 8.0)]
-    block_ns = (32, 64) if rows == 64 else (64, 128)
-    stages = (2, 3) if rows == 64 else (2, 3, 4)
+    # one stage (no cp.async pipeline, smaller tiles): more programs an SM instead of deeper buffers
+    block_ns = (32, 64) if rows == 64 else (32, 64, 128)
+    stages = (2, 3) if rows == 64 else (1, 2, 3, 4)
     return [decode.Schedule(*c) for c in itertools.product(block_ns, (4, 8), stages, (0.0, 8.0))]
 
 
