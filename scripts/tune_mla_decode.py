@@ -4,10 +4,10 @@
     python scripts/tune_mla_decode.py --smoke               # two candidates on tiny shapes (CPU interpreter)
 
 For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
-bytes and tile rows), and the committed one, with MIN_WAVES=2; then the best three and the committed one with
-MIN_WAVES in {1, 4, 8}. Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is
-shared), so the timing pass does not wait on the compiler. One JSON object per timing goes to
-<out>/tune_mla_decode.jsonl; the best per case is printed last, as the lines to put into
+bytes and tile rows), and the committed one, each splitting for 2 programs an SM; then the best three and the
+committed one splitting for 1, 4 and 8 (the Schedule's min_waves). Candidates are compiled first by a pool of
+worker processes (Triton's on-disk cache is shared), so the timing pass does not wait on the compiler. One JSON
+object per timing goes to <out>/tune_mla_decode.jsonl; the best per case is printed last, as the lines to put into
 kimi_helix/kernels/mla/decode.py.
 """
 
@@ -58,12 +58,17 @@ def candidates(rows: int, smoke: bool) -> list[decode.Schedule]:
 def sweep(case, smoke: bool) -> list[decode.Schedule]:
     """The candidates of the case's tile class and the committed schedule, each once."""
     key = tile_key(case)
-    return list(dict.fromkeys([*candidates(key[1], smoke), DEFAULTS[key]]))
+    return list(dict.fromkeys([*candidates(key[1], smoke), _committed(key)]))
+
+
+def _committed(key) -> decode.Schedule:
+    """The committed schedule of a tile class with the default split target (the sweep sets its own)."""
+    return DEFAULTS[key]._replace(min_waves=decode.MIN_WAVES)
 
 
 def tile_key(case) -> tuple[int, int]:
     b, h, s_q, _, kv = case
-    cfg = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2)
+    cfg, _ = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2)
     return (1 if kv == "fp8" else 2, cfg["BLOCK_Q"] * cfg["BLOCK_H"])
 
 
@@ -137,15 +142,15 @@ def main(argv=None) -> list[dict]:
                 if sched is None:  # second pass: the best three schedules at other split targets
                     tops = [s for _, s, _ in sorted(t for t in timed if t[2] == 2)[:3]]
                     # the committed schedule too, so that a sweep never loses to a setting it did not time
-                    runs = [(s, waves) for s in dict.fromkeys([*tops, DEFAULTS[key]])]
+                    runs = [(s, waves) for s in dict.fromkeys([*tops, _committed(key)])]
                 else:
                     runs = [(sched, waves)]
                 for s, w in runs:
-                    rec = dict(meta, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, key=list(key), schedule=list(s),
-                               min_waves=w, ms=None, error=errors.get((case, s)))  # fmt: skip
+                    rec = dict(meta, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, key=list(key),
+                               schedule=list(s._replace(min_waves=w)), min_waves=w, ms=None,
+                               error=errors.get((case, s)))  # fmt: skip
                     if rec["error"] is None:
-                        committed_waves = decode.MIN_WAVES
-                        decode.SCHEDULES[key], decode.MIN_WAVES = s, w
+                        decode.SCHEDULES[key] = s._replace(min_waves=w)
                         try:
                             call = make_call(cache, b, h, s_q, device, dtype)
                             rec["ms"] = round(time_ms(call, device, args.smoke), 4)
@@ -153,14 +158,14 @@ def main(argv=None) -> list[dict]:
                         except Exception as err:
                             rec["error"] = f"{type(err).__name__}: {str(err)[:200]}"
                         finally:  # the module leaves the sweep as it entered it
-                            decode.SCHEDULES[key], decode.MIN_WAVES = DEFAULTS[key], committed_waves
+                            decode.SCHEDULES[key] = DEFAULTS[key]
                     results.write(rec)
             del cache
             if timed:
                 best[case] = min(timed)
-    print("\nbest per case (ms, schedule, min_waves):")
+    print("\nbest per case (ms, schedule):")
     for case, (ms, s, w) in best.items():
-        print(f"  {case}: {ms:.4f} ms  {s}  MIN_WAVES={w}")
+        print(f"  {case}: {ms:.4f} ms  {s._replace(min_waves=w)}")
     return results.records
 
 

@@ -214,33 +214,39 @@ def mla_decode_combine_kernel(
     tl.store(lse_ptr + rows, tl.where(has_keys, m_off + tl.log(denom), float("-inf")), mask=row_ok)
 
 
+# Programs per SM that the split count aims for by default: sequences of unequal length leave SMs idle at the end
+# of the last wave unless each SM gets several programs to balance over.
+MIN_WAVES = 4
+
+
 class Schedule(NamedTuple):
-    """How one tile class runs: keys per tile, warps, pipeline stages, and the lazy-rescale slack (log2 units;
-    0 rescales the accumulator whenever a row max grows)."""
+    """How one tile class runs: keys per tile, warps, pipeline stages, the lazy-rescale slack (log2 units; 0
+    rescales the accumulator whenever a row max grows), and the programs per SM its split count aims for."""
 
     block_n: int
     num_warps: int
     num_stages: int
     rescale_slack: float
+    min_waves: int = MIN_WAVES
 
 
 # By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
 # D=576, b=128, mean s_k=8192, commit a6cf40c): rows=16 (H=16) 0.43 ms, rows=32 (H=32) 0.54 ms, where lazy
 # rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
 # rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
-# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory.
+# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory. Run 11 (commit b1c6eed) also swept one-stage schedules
+# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these; 32 rows split for 8 programs an SM:
+# 0.545 ms against 0.570 at 4 (H=32, s_q=1) and 0.541 against 0.618 (H=16, s_q=2), while 16 rows keep 4 (0.433
+# against 0.443 at 8).
 SCHEDULES = {
     (2, 16): Schedule(128, 8, 2, 0.0),
-    (2, 32): Schedule(64, 4, 2, 8.0),
+    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8),
     (2, 64): Schedule(64, 8, 3, 0.0),
     (1, 16): Schedule(64, 8, 2, 0.0),
     (1, 32): Schedule(64, 8, 2, 0.0),
     (1, 64): Schedule(64, 8, 3, 0.0),
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
-# Programs per SM that the split count aims for: sequences of unequal length leave SMs idle at the end of the
-# last wave unless each SM gets several programs to balance over.
-MIN_WAVES = 4
 
 
 def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None) -> int:
@@ -260,8 +266,8 @@ def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int, min_waves
     return next(s for s, e in eff.items() if e >= 0.85 * best)
 
 
-def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int) -> dict:
-    """Tile shapes from shapes alone (no device reads).
+def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int):
+    """(Kernel launch parameters, the split target in programs per SM) from shapes alone (no device reads).
 
     Rows = BLOCK_Q tokens x BLOCK_H heads <= 64: the fp32 [64, kv_lora_rank=512] accumulator alone takes 128
     registers a thread at 8 warps. tl.dot needs >= 16 rows, so a small H takes more query tokens per tile. fp32
@@ -276,7 +282,7 @@ def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.
     return dict(
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
         num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack,
-    )  # fmt: skip
+    ), sched.min_waves  # fmt: skip
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
@@ -362,11 +368,11 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
-    cfg = _tiles(H, T, N, compute, kv_cache.element_size())
+    cfg, min_waves = _tiles(H, T, N, compute, kv_cache.element_size())
     num_head_blocks = -(-H // cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
-        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], num_sms(q.device.index)
+        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], num_sms(q.device.index), min_waves
     )
     if splits > 1:
         part_out = torch.empty(T, H, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
