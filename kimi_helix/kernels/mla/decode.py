@@ -235,12 +235,12 @@ class Schedule(NamedTuple):
 # rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
 # rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
 # BLOCK_N=256 (or 128 at 64 rows) overflows shared memory. Run 11 (commit b1c6eed) also swept one-stage schedules
-# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these; 32 rows split for 8 programs an SM:
-# 0.545 ms against 0.570 at 4 (H=32, s_q=1) and 0.541 against 0.618 (H=16, s_q=2), while 16 rows keep 4 (0.433
-# against 0.443 at 8).
+# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these. Splitting the 32-row class for 8 programs an
+# SM instead of 4 (commit b3f3b3e, the whole bench_mla.py grid) gained 4-18% at b=128 and 6-13% at b=32 with 32k
+# keys, but lost 5-20% at b=32 with 4k-8k keys, where a split keeps only about 4 tiles; so every class keeps 4.
 SCHEDULES = {
     (2, 16): Schedule(128, 8, 2, 0.0),
-    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8),
+    (2, 32): Schedule(64, 4, 2, 8.0),
     (2, 64): Schedule(64, 8, 3, 0.0),
     (1, 16): Schedule(64, 8, 2, 0.0),
     (1, 32): Schedule(64, 8, 2, 0.0),
