@@ -183,6 +183,9 @@ def test_num_kv_splits_heuristic():
     assert decode._num_kv_splits(600, 8192, 64, 132) == 1
     assert 128 * decode._num_kv_splits(128, 8192, 64, 132) >= decode.MIN_WAVES * 132
     assert decode._num_kv_splits(1, 128, 64, 132) == 1  # too short to split
+    # a split keeps at least min_split_tiles tiles: 8192 keys, 64-key tiles
+    assert decode._num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=4) == 32
+    assert decode._num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=8) == 16
     assert 32 <= decode._num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
 
 

@@ -221,13 +221,15 @@ MIN_WAVES = 4
 
 class Schedule(NamedTuple):
     """How one tile class runs: keys per tile, warps, pipeline stages, the lazy-rescale slack (log2 units; 0
-    rescales the accumulator whenever a row max grows), and the programs per SM its split count aims for."""
+    rescales the accumulator whenever a row max grows), the programs per SM its split count aims for, and the
+    fewest tiles a split keeps."""
 
     block_n: int
     num_warps: int
     num_stages: int
     rescale_slack: float
     min_waves: int = MIN_WAVES
+    min_split_tiles: int = 4
 
 
 # By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
@@ -235,12 +237,14 @@ class Schedule(NamedTuple):
 # rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
 # rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
 # BLOCK_N=256 (or 128 at 64 rows) overflows shared memory. Run 11 (commit b1c6eed) also swept one-stage schedules
-# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these. Splitting the 32-row class for 8 programs an
-# SM instead of 4 (commit b3f3b3e, the whole bench_mla.py grid) gained 4-18% at b=128 and 6-13% at b=32 with 32k
-# keys, but lost 5-20% at b=32 with 4k-8k keys, where a split keeps only about 4 tiles; so every class keeps 4.
+# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these. Splitting the 32-row class for 8 programs
+# an SM instead of 4 (commit b3f3b3e, the whole bench_mla.py grid) gained 4-18% at b=128 and at b=32 with 32k keys
+# but lost 5-20% at b=32 with 4k-8k keys, where a split kept only about 4 tiles. Keeping at least 8 tiles a split
+# as well (run 11, timed in one call against 4 programs an SM and 4 tiles, 8 cases): b=128 12% faster to 1% slower,
+# b=32 7-9% faster at 4k keys and 2-3% slower at 8k; at 32k keys the split counts are those of the b3f3b3e grid.
 SCHEDULES = {
     (2, 16): Schedule(128, 8, 2, 0.0),
-    (2, 32): Schedule(64, 4, 2, 8.0),
+    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8),
     (2, 64): Schedule(64, 8, 3, 0.0),
     (1, 16): Schedule(64, 8, 2, 0.0),
     (1, 32): Schedule(64, 8, 2, 0.0),
@@ -249,15 +253,18 @@ SCHEDULES = {
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
 
 
-def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None) -> int:
+def _num_kv_splits(
+    work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None, min_split_tiles: int = 4
+) -> int:
     """Splits per sequence so that `work` programs x splits fill the SMs.
 
-    At least `min_waves` programs per SM where the keys allow (each split keeps >= 4 tiles of the capacity
-    `max_kv`, so its pipeline amortises its prologue and the merge stays small); beyond that FlashAttention's rule:
-    wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within 85% of the best.
+    At least `min_waves` programs per SM where the keys allow (each split keeps >= `min_split_tiles` tiles of the
+    capacity `max_kv`, so its pipeline amortises its prologue and the merge stays small); beyond that
+    FlashAttention's rule: wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within
+    85% of the best.
     """
     min_waves = MIN_WAVES if min_waves is None else min_waves
-    max_splits = max(1, min(64, max_kv // (4 * block_n)))
+    max_splits = max(1, min(64, max_kv // (min_split_tiles * block_n)))
     if work >= min_waves * num_sms or max_splits == 1:
         return 1
     lo = 1 if min_waves <= 1 else min(max_splits, math.ceil(min_waves * num_sms / work))
@@ -267,7 +274,7 @@ def _num_kv_splits(work: int, max_kv: int, block_n: int, num_sms: int, min_waves
 
 
 def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int):
-    """(Kernel launch parameters, the split target in programs per SM) from shapes alone (no device reads).
+    """(Kernel launch parameters, the tile class's Schedule) from shapes alone (no device reads).
 
     Rows = BLOCK_Q tokens x BLOCK_H heads <= 64: the fp32 [64, kv_lora_rank=512] accumulator alone takes 128
     registers a thread at 8 warps. tl.dot needs >= 16 rows, so a small H takes more query tokens per tile. fp32
@@ -282,7 +289,7 @@ def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.
     return dict(
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
         num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack,
-    ), sched.min_waves  # fmt: skip
+    ), sched  # fmt: skip
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
@@ -368,12 +375,13 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
-    cfg, min_waves = _tiles(H, T, N, compute, kv_cache.element_size())
+    cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size())
     num_head_blocks = -(-H // cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
-        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], num_sms(q.device.index), min_waves
-    )
+        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], num_sms(q.device.index),
+        sched.min_waves, sched.min_split_tiles,
+    )  # fmt: skip
     if splits > 1:
         part_out = torch.empty(T, H, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
