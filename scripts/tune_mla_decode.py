@@ -56,9 +56,12 @@ def candidates(rows: int, smoke: bool) -> list[decode.Schedule]:
 
 
 def sweep(case, smoke: bool) -> list[decode.Schedule]:
-    """The candidates of the case's tile class and the committed schedule, each once."""
+    """The candidates of the case's tile class (with the class's committed shortest split) and the committed
+    schedule, each once."""
     key = tile_key(case)
-    return list(dict.fromkeys([*candidates(key[1], smoke), _committed(key)]))
+    tiles = DEFAULTS[key].min_split_tiles
+    cands = [c._replace(min_split_tiles=tiles) for c in candidates(key[1], smoke)]
+    return list(dict.fromkeys([*cands, _committed(key)]))
 
 
 def _committed(key) -> decode.Schedule:
