@@ -102,7 +102,7 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
          None),
         ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
          I["num_stages"], I["maxnreg"]),
-        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
+        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=I["BKS"], AFTER_WIDE=True), I["num_warps"],
          I["num_stages"], I["maxnreg"]),
         ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], SKIP_WIDE=True),
          B["num_warps"], B["num_stages"], B["maxnreg"]),

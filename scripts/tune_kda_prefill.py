@@ -47,8 +47,8 @@ _INTRA_GRID = [
 ]
 _SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[128])
 CANDIDATES = {
-    "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False)],
-    "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False)],
+    "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False, halves=False)],
+    "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False, halves=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None])
     + _grid(BKS=[16], num_warps=[2, 4], num_stages=[3], maxnreg=[168, 128]),
     "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3], maxnreg=[None])

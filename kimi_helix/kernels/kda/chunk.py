@@ -228,10 +228,8 @@ def chunk_kda(
         halves = intra["halves"] and chunk_size >= 32  # a half chunk must fill a 16-row dot
         if intra["wide"]:
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide)
-        elif halves:
-            wide_ok.zero_()  # the per-half pass takes the chunks no earlier pass did: here, all of them
         if halves:
-            kda_chunk_intra_halves_kernel[(NT, H)](*args, **common, **wide)
+            kda_chunk_intra_halves_kernel[(NT, H)](*args, **common, **wide, AFTER_WIDE=intra["wide"])
         kda_chunk_intra_blocks_kernel[(NT, H)](
             *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"] or halves,
             num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"], maxnreg=BLOCKS["maxnreg"],
