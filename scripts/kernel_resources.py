@@ -40,7 +40,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 SASS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
 # Argument types by name; any other pointer is a bf16 tensor (the model's activations).
 _FP32_PTRS = {"G", "Ai", "rnorm", "h0", "ht", "A_log", "dt_bias", "kv_scale_ptr", "lse_ptr", "out_ptr"}
-_INT_PTRS = {"wide_ok", "cu_seqlens", "chunk_indices", "chunk_offsets", "state_indices", "block_table_ptr",
+_INT_PTRS = {"route", "cu_seqlens", "chunk_indices", "chunk_offsets", "state_indices", "block_table_ptr",
              "cache_seqlens_ptr", "cu_seqlens_q_ptr", "kv_bounds_ptr"}  # fmt: skip
 _FP32_SCALARS = {"scale", "qk_scale", "lower_bound"}
 
@@ -96,15 +96,16 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     common = dict(H=H, K=K, BT=64, L2NORM=True, DOT_PREC="tf32")
     intra = dict(common, BC=16)
     I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
+    IB = chunk.INTRA_BOUNDED  # the per-half kernel's settings on the bounded-gate path
     BV = chunk.state_block(1, H, V, None)
     cases = [
-        ("kda gate", kda_chunk_gate_kernel, dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False), 4, 3,
-         None),
+        ("kda gate", kda_chunk_gate_kernel,
+         dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False, WIDE=I["wide"], HALVES=I["halves"]), 4, 3, None),
         ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
          I["num_stages"], I["maxnreg"]),
-        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=I["BKS"], AFTER_WIDE=True), I["num_warps"],
-         I["num_stages"], I["maxnreg"]),
-        ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"], SKIP_WIDE=True),
+        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=IB["BKS"]), IB["num_warps"],
+         IB["num_stages"], IB["maxnreg"]),
+        ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"]),
          B["num_warps"], B["num_stages"], B["maxnreg"]),
         ("kda wy", kda_chunk_wy_kernel, dict(common, V=V, BS=W["BS"], SPLIT=W["split"]), W["num_warps"],
          W["num_stages"], W["maxnreg"]),

@@ -234,18 +234,18 @@ def test_steady_strong_decay(chunk_size):
 
 
 def test_steady_strong_decay_fits_the_halves(monkeypatch):
-    """On test_steady_strong_decay's gates the per-half pass alone takes every chunk (none left to the block
-    kernel), while the chunk-wide pass takes none of the two full chunks (only the 8-row tail); both give the
-    reference's results."""
+    """On test_steady_strong_decay's gates the gate kernel routes every chunk to the per-half pass (none to the
+    block kernel), while the chunk-wide pass can take none of the two full chunks (only the 8-row tail); both give
+    the reference's results."""
     from kimi_helix.kernels.kda import chunk
 
     q, k, v, g, beta, s0 = _steady_decay_inputs()
     blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
 
-    class Recorder:  # the block kernel's launch, recording which chunks the earlier passes finished
+    class Recorder:  # the block kernel's launch, recording the route of every chunk
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append(args[7].clone())  # wide_ok [NT, H]
+                seen.append(args[7].clone())  # route [NT, H]
                 return blocks[grid](*args, **kw)
 
             return launch
@@ -253,11 +253,11 @@ def test_steady_strong_decay_fits_the_halves(monkeypatch):
     monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **{n: x for n, x in kw.items() if n != "chunk_size"})
-    for wide, halves, done in ((True, False, [0, 0, 1]), (False, True, [1, 1, 1])):
+    for wide, halves, routes in ((True, False, [2, 2, 0]), (False, True, [1, 1, 1])):
         monkeypatch.setitem(chunk.INTRA, "wide", wide)
         monkeypatch.setitem(chunk.INTRA, "halves", halves)
         o, s = chunk_kda(q, k, v, g, beta, **kw)
-        assert seen[-1].flatten().tolist() == done, (wide, halves, seen[-1])
+        assert seen[-1].flatten().tolist() == routes, (wide, halves, seen[-1])
         assert_rel_close("o", o, o_r, 1e-5)
         assert_rel_close("final_state", s, s_r, 1e-5)
 

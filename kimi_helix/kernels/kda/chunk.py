@@ -3,11 +3,11 @@
 Same contract and results as :func:`kimi_helix.kernels.kda.naive.naive_chunk_kda`, computed by five kernels over
 packed tokens (a plain batch is packed as ``B`` equal sequences):
 
-1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units);
-2. ``kda_chunk_intra_kernel``: per chunk, ``A_qk`` and ``(I + A_kk)^-1`` from one chunk-wide factorisation of
-   the decays, where the chunk's gates allow it; optionally ``kda_chunk_intra_halves_kernel`` after it (or
-   instead of it) with a pivot per half chunk;
-3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks the previous kernels left;
+1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units),
+   and each chunk's route to one of the intra kernels, by the decay spread their factorisations would meet;
+2. ``kda_chunk_intra_kernel`` (chunk-wide factorisation of the decays) and, when enabled,
+   ``kda_chunk_intra_halves_kernel`` (a pivot per half chunk): per chunk, ``A_qk`` and ``(I + A_kk)^-1``;
+3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks routed to neither;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o``.
 
@@ -17,8 +17,8 @@ Without ``STATE["output"]`` the state pass stores the per-chunk states and ``v_n
 Intermediates are kept in the input dtype (fp32 for fp32 inputs), except ``G``, the ``(I + A)^-1`` scratch and the
 carried state, which are fp32. Every decay factor is bounded: outside the intra stage they are exponentials of
 non-positive numbers (the log-decay ``g`` is <= 0 for the KDA gate), and inside it factors stay within
-``2^MAX_SPREAD`` or the chunk takes the exact path, so strong forget gates cannot overflow. ``cu_seqlens`` is read
-on the host: pass it on the CPU to avoid a device sync.
+``2^MAX_SPREAD`` or the chunk is routed to the exact path, so strong forget gates cannot overflow. ``cu_seqlens``
+is read on the host: pass it on the CPU to avoid a device sync.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def chunk_kda(
     u, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(2))
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
-    wide_ok = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # chunks the chunk-wide intra kernel did
+    route = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # the intra kernel of each chunk and head
     rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # 1/|q|, 1/|k| for the WY kernel
     fuse_output = STATE["output"]
     # without the output kernel, the per-chunk states and v_new never leave the state pass: o stands in for both
@@ -215,23 +215,24 @@ def chunk_kda(
         final_state = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
 
     if NT:
+        intra = INTRA if lower_bound is None else INTRA_BOUNDED
+        halves = intra["halves"] and chunk_size >= 32  # a half chunk must fill a 16-row dot
         gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
         kda_chunk_gate_kernel[(NT, H)](
-            g, G, *gate_args, cu, chunk_indices, lower_bound or 0.0,
+            g, G, route, *gate_args, cu, chunk_indices, lower_bound or 0.0,
             H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
+            WIDE=intra["wide"], HALVES=halves,
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
-        args = (q, k, G, beta, Aqk, Ai, rnorm, wide_ok, cu, chunk_indices, scale)
-        intra = INTRA if lower_bound is None else INTRA_BOUNDED
+        args = (q, k, G, beta, Aqk, Ai, rnorm, route, cu, chunk_indices, scale)
         wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"],
                     maxnreg=intra["maxnreg"])  # fmt: skip
-        halves = intra["halves"] and chunk_size >= 32  # a half chunk must fill a 16-row dot
         if intra["wide"]:
             kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide)
         if halves:
-            kda_chunk_intra_halves_kernel[(NT, H)](*args, **common, **wide, AFTER_WIDE=intra["wide"])
+            kda_chunk_intra_halves_kernel[(NT, H)](*args, **common, **wide)
         kda_chunk_intra_blocks_kernel[(NT, H)](
-            *args, **common, BKS=_fit(BLOCKS["BKS"], K), SKIP_WIDE=intra["wide"] or halves,
+            *args, **common, BKS=_fit(BLOCKS["BKS"], K),
             num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"], maxnreg=BLOCKS["maxnreg"],
         )  # fmt: skip
         BS = _fit(WY["BS"], max(K, V))

@@ -5,11 +5,12 @@ The kernels run over packed tokens (``cu_seqlens`` always given; a plain batch i
 are kept in log2 units (``G = cumsum(g) / ln 2``) so every decay is one ``exp2``. The entries of a chunk's A need
 the pairwise decay ``exp2(G_i - G_j)`` per key dimension; ``kda_chunk_intra_kernel`` factors it around a pivot c
 halfway between the chunk's first and last decay, ``exp2(G_i - c) exp2(c - G_j)``, so that two ``[BT, BT]``
-tensor-core dots per column slice give every entry. Both factors are bounded by the decay spread around c; a
-chunk whose spread exceeds ``MAX_SPREAD`` (a gate strong enough to overflow a factor) is flagged; the optional
-per-half pass (chunk_intra_halves.py) takes flagged chunks with a pivot per half chunk, and
-``kda_chunk_intra_blocks_kernel`` (chunk_intra_blocks.py) redoes what is left with a pivot inside every 16-row
-block, exactly for any gate.
+tensor-core dots per column slice give every entry. Both factors are bounded by the decay spread around c, which
+must stay within ``MAX_SPREAD`` for a factor not to overflow. The gate kernel, which holds the chunk's whole G,
+measures that spread and routes each (chunk, head) to one intra kernel: the chunk-wide one when its spread fits;
+else, when enabled, the per-half one (chunk_intra_halves.py, a pivot per half chunk) when the halves' spreads fit;
+else ``kda_chunk_intra_blocks_kernel`` (chunk_intra_blocks.py), exact for any gate with a pivot inside every 16-row
+block. Each intra kernel returns at once on the chunks routed elsewhere.
 
 ``(I + A_kk)^-1`` comes from the 16x16 diagonal blocks, inverted as products of powers, and block products below
 them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads.
@@ -22,6 +23,10 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 MAX_SPREAD = tl.constexpr(96.0)
+# the intra kernel a (chunk, head) is routed to, in route [NT, H] int32
+ROUTE_WIDE = tl.constexpr(0)
+ROUTE_HALVES = tl.constexpr(1)
+ROUTE_BLOCKS = tl.constexpr(2)
 
 
 @triton.jit
@@ -45,6 +50,7 @@ def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.con
 def kda_chunk_gate_kernel(
     g,
     G,
+    route,
     A_log,
     dt_bias,
     cu_seqlens,
@@ -56,7 +62,11 @@ def kda_chunk_gate_kernel(
     BK: tl.constexpr,
     GATE: tl.constexpr,
     LOWER_BOUND: tl.constexpr,
+    WIDE: tl.constexpr,
+    HALVES: tl.constexpr,
 ):
+    """G of one chunk and head (optionally from the raw gate), and the intra kernel that takes the chunk: chunk-wide
+    (with WIDE) or per-half (with HALVES) where their decay spread fits, else the block kernel."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so offsets inside it are small
@@ -72,7 +82,47 @@ def kda_chunk_gate_kernel(
             # softplus with torch's threshold 20
             x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     # padding rows come after every valid row, so they never reach a stored cumulative sum
-    _store_tile(G + base, tl.cumsum(x, axis=0) * LOG2E, 0, 0, T, K, H * K, BT, BK)
+    b_G = tl.cumsum(x, axis=0) * LOG2E
+    _store_tile(G + base, b_G, 0, 0, T, K, H * K, BT, BK)
+    tl.store(route + i_c * H + i_h, _intra_route(b_G, T, K, BT, BK, WIDE, HALVES))
+
+
+@triton.jit
+def _pick_row(b_G, r, BT: tl.constexpr):
+    """Row r of a [BT, BK] tile, [BK]."""
+    return tl.sum(tl.where(tl.arange(0, BT)[:, None] == r, b_G, 0.0), axis=0)
+
+
+@triton.jit
+def _max_where(m, x):
+    return tl.max(tl.max(tl.where(m, x, 0.0), axis=1), axis=0)
+
+
+@triton.jit
+def _intra_route(b_G, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr,
+                 HALVES: tl.constexpr):  # fmt: skip
+    """The route of a chunk from its G [BT, BK] (T valid rows): the largest exponent each intra kernel's factors
+    would reach, with that kernel's pivots, against MAX_SPREAD. Measured here, where the whole G is in registers,
+    rather than in the intra kernels, which would hold a running maximum beside their accumulators (and did every
+    dot before knowing whether to keep them)."""
+    rows = tl.arange(0, BT)
+    valid = (rows < T)[:, None] & (tl.arange(0, BK) < K)[None, :]
+    first, last = _pick_row(b_G, 0, BT), _pick_row(b_G, T - 1, BT)
+    r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
+    if HALVES:
+        HALF: tl.constexpr = BT // 2
+        # as in kda_chunk_intra_halves_kernel: each half around its mid decay, and the cross block's factors
+        # exp2(G_i - G_h), exp2(G_h - G_j) around the boundary row h
+        g_h = _pick_row(b_G, tl.minimum(HALF, T - 1), BT)[None, :]
+        c0 = 0.5 * (first + _pick_row(b_G, tl.minimum(HALF - 1, T - 1), BT))[None, :]
+        c1 = 0.5 * (g_h + last[None, :])
+        d = tl.where(rows[:, None] < HALF, tl.maximum(tl.abs(b_G - c0), g_h - b_G),
+                     tl.maximum(tl.abs(b_G - c1), b_G - g_h))  # fmt: skip
+        r = tl.where(_max_where(valid, d) <= MAX_SPREAD, ROUTE_HALVES, r)
+    if WIDE:
+        d = tl.abs(b_G - (0.5 * (first + last))[None, :])
+        r = tl.where(_max_where(valid, d) <= MAX_SPREAD, ROUTE_WIDE, r)
+    return r
 
 
 @triton.jit
@@ -194,7 +244,7 @@ def kda_chunk_intra_kernel(
     Aqk,
     Ai,
     rnorm,
-    wide_ok,
+    route,
     cu_seqlens,
     chunk_indices,
     scale,
@@ -207,10 +257,10 @@ def kda_chunk_intra_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
-    q and k and beta applied to the dot results. Writes wide_ok[chunk, head] = 1 when done; 0 (nothing else
-    stored) when the decay spread is too wide, for the per-half pass (chunk_intra_halves.py) or the block kernel
-    to take over."""
+    q and k and beta applied to the dot results; for the chunks routed here (ROUTE_WIDE)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
+    if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
+        return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     HK = H * K
@@ -221,17 +271,12 @@ def kda_chunk_intra_kernel(
     A_kk = tl.zeros([BT, BT], dtype=tl.float32)
     sq = tl.zeros([BT], dtype=tl.float32)
     sk = tl.zeros([BT], dtype=tl.float32)
-    # an elementwise running max, reduced once at the end: reducing over the rows in every slice instead spilled
-    # less but took 550 us against 418 at T=8192, H=64 on an H200 (run 11, commit 0993644, reverted)
-    spread = tl.zeros([BT, BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
         b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
-        g_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
-        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + g_last))[None, :]
-        spread = tl.maximum(spread, tl.where(m_t[:, None], tl.abs(b_d), 0.0))
+        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, T - 1, c, HK, K, BKS)))[None, :]
         # entries above the diagonal may overflow here; `where` discards them below
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
         kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
@@ -239,20 +284,17 @@ def kda_chunk_intra_kernel(
         A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
-    ok = tl.max(tl.max(spread, axis=1), axis=0) <= MAX_SPREAD
-    tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
-    if ok:
-        rq = tl.full([BT], 1.0, tl.float32)
-        rk = tl.full([BT], 1.0, tl.float32)
-        if L2NORM:
-            rq = 1.0 / tl.sqrt(sq + 1e-6)
-            rk = 1.0 / tl.sqrt(sk + 1e-6)
-            tl.store(rnorm + o_t * (2 * H), rq, mask=m_t)
-            tl.store(rnorm + o_t * (2 * H) + 1, rk, mask=m_t)
-        b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-        offs = o_t[:, None] * S + o_t[None, :]
-        A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
-        A_kk = tl.where(o_t[:, None] > o_t[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
-        tl.store(Aqk + offs, A_qk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
-        tl.store(Ai + offs, A_kk, mask=m_t[:, None])
-        invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
+    rq = tl.full([BT], 1.0, tl.float32)
+    rk = tl.full([BT], 1.0, tl.float32)
+    if L2NORM:
+        rq = 1.0 / tl.sqrt(sq + 1e-6)
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+        tl.store(rnorm + o_t * (2 * H), rq, mask=m_t)
+        tl.store(rnorm + o_t * (2 * H) + 1, rk, mask=m_t)
+    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    offs = o_t[:, None] * S + o_t[None, :]
+    A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
+    A_kk = tl.where(o_t[:, None] > o_t[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
+    tl.store(Aqk + offs, A_qk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
+    tl.store(Ai + offs, A_kk, mask=m_t[:, None])
+    invert_in_place(Ai, T, S, BT, BC, DOT_PREC)

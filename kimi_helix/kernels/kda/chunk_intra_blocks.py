@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kimi_helix.kernels.kda.chunk_intra import (
     MAX_SPREAD,
+    ROUTE_BLOCKS,
     _at_chunk,
     _chunk_span,
     _merge_row1,
@@ -143,7 +144,7 @@ def kda_chunk_intra_blocks_kernel(
     Aqk,
     Ai,
     rnorm,
-    wide_ok,
+    route,
     cu_seqlens,
     chunk_indices,
     scale,
@@ -154,14 +155,12 @@ def kda_chunk_intra_blocks_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    SKIP_WIDE: tl.constexpr,
 ):
-    """A_qk and (I + A_kk)^-1 of one chunk and head (BT <= 4 * BC rows), skipping the chunks that
-    kda_chunk_intra_kernel finished when SKIP_WIDE."""
+    """A_qk and (I + A_kk)^-1 of one chunk and head (BT <= 4 * BC rows), for the chunks routed here
+    (ROUTE_BLOCKS)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    if SKIP_WIDE:  # noqa: SIM102 - a constexpr test: without it the flag is never loaded
-        if tl.load(wide_ok + i_c * H + i_h) != 0:
-            return
+    if tl.load(route + i_c * H + i_h) != ROUTE_BLOCKS:
+        return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     S = H * BT

@@ -4,8 +4,8 @@ For chunks whose decay spread is too wide for one pivot per chunk (chunk_intra.p
 half's diagonal block factors ``exp2(G_i - G_j)`` around its own mid decay, and the second half's rows against the
 first half's columns around the decay at the boundary row, ``exp2(G_i - G_h) exp2(G_h - G_j)``, where both factors
 are decays for a monotone G. Only the three blocks that exist are accumulated, ``[BT/2, BT/2]`` each, so six of them
-(q and k dots) hold fewer registers than the chunk-wide kernel's two ``[BT, BT]``. Chunks that still do not fit
-are flagged for the block kernel (chunk_intra_blocks.py).
+(q and k dots) hold fewer registers than the chunk-wide kernel's two ``[BT, BT]``. The gate kernel routes a chunk
+here when these factors stay within MAX_SPREAD (chunk_intra.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import MAX_SPREAD, _at_chunk, _chunk_span, _row, _store_tile, invert_in_place
+from kimi_helix.kernels.kda.chunk_intra import (
+    ROUTE_HALVES,
+    _at_chunk,
+    _chunk_span,
+    _row,
+    _store_tile,
+    invert_in_place,
+)
 from kimi_helix.kernels.kda.chunk_intra_blocks import _norm_beta, _slice
 
 
@@ -34,7 +41,7 @@ def kda_chunk_intra_halves_kernel(
     Aqk,
     Ai,
     rnorm,
-    wide_ok,
+    route,
     cu_seqlens,
     chunk_indices,
     scale,
@@ -45,15 +52,11 @@ def kda_chunk_intra_halves_kernel(
     BKS: tl.constexpr,
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    AFTER_WIDE: tl.constexpr,
 ):
-    """A_qk and (I + A_kk)^-1 of one chunk and head (BT >= 32): with AFTER_WIDE for the chunks the chunk-wide
-    kernel did not mark done in wide_ok, else for every chunk; sets wide_ok[chunk, head] = 1 when done, 0 (nothing
-    else stored) when a half's spread is too wide."""
+    """A_qk and (I + A_kk)^-1 of one chunk and head (BT >= 32), for the chunks routed here (ROUTE_HALVES)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    if AFTER_WIDE:  # noqa: SIM102 (a constexpr guard on its own, so the load is compiled out without it)
-        if tl.load(wide_ok + i_c * H + i_h) != 0:
-            return
+    if tl.load(route + i_c * H + i_h) != ROUTE_HALVES:
+        return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
     HK = H * K
@@ -65,9 +68,6 @@ def kda_chunk_intra_halves_kernel(
     A00q, A00k, A11q, A11k, X10q, X10k = Z, Z, Z, Z, Z, Z
     z = tl.zeros([HALF], dtype=tl.float32)
     sq0, sk0, sq1, sk1 = z, z, z, z
-    # per column, reduced over the rows in each slice; timed only in this form (in the chunk-wide kernel the same
-    # choice lost to an elementwise running max, 550 against 418 us: see chunk_intra.py)
-    spread = tl.zeros([BKS], dtype=tl.float32)
     for c in range(0, K, BKS):
         q0, k0, g0 = _slice(q, k, G, 0, c, T, H, K, HALF, BKS)
         q1, k1, g1 = _slice(q, k, G, HALF, c, T, H, K, HALF, BKS)
@@ -78,9 +78,6 @@ def kda_chunk_intra_halves_kernel(
         # the cross block's factors exp2(g1 - g_h) and exp2(g_h - g0) exceed 1 only for a non-monotone G
         x1 = g1 - g_h[None, :]
         x0 = g_h[None, :] - g0
-        b_s = tl.maximum(tl.where(m0[:, None], tl.maximum(tl.abs(d0), x0), 0.0),
-                         tl.where(m1[:, None], tl.maximum(tl.abs(d1), x1), 0.0))  # fmt: skip
-        spread = tl.maximum(spread, tl.max(b_s, axis=0))
         # entries above the diagonal may overflow here; `where` discards them below
         e0, kt0 = _factors(d0, m0, k0)
         A00q = tl.dot(q0 * e0, kt0, A00q, input_precision=DOT_PREC)
@@ -96,20 +93,17 @@ def kda_chunk_intra_halves_kernel(
         sk0 += tl.sum(k0 * k0, axis=1)
         sq1 += tl.sum(q1 * q1, axis=1)
         sk1 += tl.sum(k1 * k1, axis=1)
-    ok = tl.max(spread, axis=0) <= MAX_SPREAD
-    tl.store(wide_ok + i_c * H + i_h, ok.to(tl.int32))
-    if ok:
-        rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, HALF, L2NORM)
-        rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, HALF, T, H, HALF, L2NORM)
-        on, below = o_h[:, None] >= o_h[None, :], o_h[:, None] > o_h[None, :]
-        S = H * BT
-        A00q = tl.where(on, A00q * (rq0 * scale)[:, None] * rk0[None, :], 0.0)
-        A11q = tl.where(on, A11q * (rq1 * scale)[:, None] * rk1[None, :], 0.0)
-        _store_tile(Aqk, A00q, 0, 0, T, BT, S, HALF, HALF)
-        _store_tile(Aqk, X10q * (rq1 * scale)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
-        _store_tile(Aqk, A11q, HALF, HALF, T, BT, S, HALF, HALF)
-        _store_tile(Ai, tl.where(below, A00k * (rk0 * b0)[:, None] * rk0[None, :], 0.0), 0, 0, T, BT, S, HALF, HALF)
-        _store_tile(Ai, X10k * (rk1 * b1)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
-        A11k = tl.where(below, A11k * (rk1 * b1)[:, None] * rk1[None, :], 0.0)
-        _store_tile(Ai, A11k, HALF, HALF, T, BT, S, HALF, HALF)
-        invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
+    rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, HALF, L2NORM)
+    rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, HALF, T, H, HALF, L2NORM)
+    on, below = o_h[:, None] >= o_h[None, :], o_h[:, None] > o_h[None, :]
+    S = H * BT
+    A00q = tl.where(on, A00q * (rq0 * scale)[:, None] * rk0[None, :], 0.0)
+    A11q = tl.where(on, A11q * (rq1 * scale)[:, None] * rk1[None, :], 0.0)
+    _store_tile(Aqk, A00q, 0, 0, T, BT, S, HALF, HALF)
+    _store_tile(Aqk, X10q * (rq1 * scale)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
+    _store_tile(Aqk, A11q, HALF, HALF, T, BT, S, HALF, HALF)
+    _store_tile(Ai, tl.where(below, A00k * (rk0 * b0)[:, None] * rk0[None, :], 0.0), 0, 0, T, BT, S, HALF, HALF)
+    _store_tile(Ai, X10k * (rk1 * b1)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
+    A11k = tl.where(below, A11k * (rk1 * b1)[:, None] * rk1[None, :], 0.0)
+    _store_tile(Ai, A11k, HALF, HALF, T, BT, S, HALF, HALF)
+    invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
