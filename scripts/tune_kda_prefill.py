@@ -4,7 +4,7 @@
     python scripts/tune_kda_prefill.py --out $OUT --tables INTRA_BOUNDED --lower-bound -5   # the bounded (K3) gate
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
-One kernel at a time (intra, its block fallback, WY, state, output) runs every candidate of its table while the
+One kernel at a time (gate, intra, its block fallback, WY, state, output) runs every candidate of its table while the
 others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call,
 as bench_kda.py calls it. The intra table is INTRA for a given decay and INTRA_BOUNDED for the bounded gate
 (--lower-bound); each is timed only with the gate that uses it.
@@ -47,6 +47,7 @@ _INTRA_GRID = [
 ]
 _SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[128])
 CANDIDATES = {
+    "GATE": _grid(num_warps=[2, 4, 8]),
     "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False, halves=False)],
     "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False, halves=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None])
@@ -59,6 +60,7 @@ CANDIDATES = {
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
+    "GATE": _grid(num_warps=[2, 4, 8]),
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128]),

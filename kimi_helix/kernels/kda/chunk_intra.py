@@ -84,44 +84,37 @@ def kda_chunk_gate_kernel(
     # padding rows come after every valid row, so they never reach a stored cumulative sum
     b_G = tl.cumsum(x, axis=0) * LOG2E
     _store_tile(G + base, b_G, 0, 0, T, K, H * K, BT, BK)
-    tl.store(route + i_c * H + i_h, _intra_route(b_G, T, K, BT, BK, WIDE, HALVES))
+    r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
+    if WIDE or HALVES:
+        tl.debug_barrier()  # the pivot rows are read back from G, stored by other threads
+        r = _intra_route(G + base, b_G, T, H * K, K, BT, BK, WIDE, HALVES)
+    tl.store(route + i_c * H + i_h, r)
 
 
 @triton.jit
-def _pick_row(b_G, r, BT: tl.constexpr):
-    """Row r of a [BT, BK] tile, [BK]."""
-    return tl.sum(tl.where(tl.arange(0, BT)[:, None] == r, b_G, 0.0), axis=0)
-
-
-@triton.jit
-def _max_where(m, x):
-    return tl.max(tl.max(tl.where(m, x, 0.0), axis=1), axis=0)
-
-
-@triton.jit
-def _intra_route(b_G, T, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr,
+def _intra_route(G, b_G, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr,
                  HALVES: tl.constexpr):  # fmt: skip
-    """The route of a chunk from its G [BT, BK] (T valid rows): the largest exponent each intra kernel's factors
-    would reach, with that kernel's pivots, against MAX_SPREAD. Measured here, where the whole G is in registers,
-    rather than in the intra kernels, which would hold a running maximum beside their accumulators (and did every
-    dot before knowing whether to keep them)."""
+    """The route of a chunk from its G [BT, BK] (T valid rows; also in memory at G, for the pivot rows): the largest
+    exponent each intra kernel's factors would reach, with that kernel's pivots, against MAX_SPREAD. Measured
+    here, where the whole G is in registers, rather than in the intra kernels, which would hold a running maximum
+    beside their accumulators (and did every dot before knowing whether to keep them)."""
     rows = tl.arange(0, BT)
     valid = (rows < T)[:, None] & (tl.arange(0, BK) < K)[None, :]
-    first, last = _pick_row(b_G, 0, BT), _pick_row(b_G, T - 1, BT)
+    first, last = _row(G, 0, 0, stride, K, BK), _row(G, T - 1, 0, stride, K, BK)
     r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
     if HALVES:
         HALF: tl.constexpr = BT // 2
         # as in kda_chunk_intra_halves_kernel: each half around its mid decay, and the cross block's factors
         # exp2(G_i - G_h), exp2(G_h - G_j) around the boundary row h
-        g_h = _pick_row(b_G, tl.minimum(HALF, T - 1), BT)[None, :]
-        c0 = 0.5 * (first + _pick_row(b_G, tl.minimum(HALF - 1, T - 1), BT))[None, :]
+        g_h = _row(G, tl.minimum(HALF, T - 1), 0, stride, K, BK)[None, :]
+        c0 = 0.5 * (first + _row(G, tl.minimum(HALF - 1, T - 1), 0, stride, K, BK))[None, :]
         c1 = 0.5 * (g_h + last[None, :])
         d = tl.where(rows[:, None] < HALF, tl.maximum(tl.abs(b_G - c0), g_h - b_G),
                      tl.maximum(tl.abs(b_G - c1), b_G - g_h))  # fmt: skip
-        r = tl.where(_max_where(valid, d) <= MAX_SPREAD, ROUTE_HALVES, r)
+        r = tl.where(tl.max(tl.where(valid, d, 0.0)) <= MAX_SPREAD, ROUTE_HALVES, r)
     if WIDE:
         d = tl.abs(b_G - (0.5 * (first + last))[None, :])
-        r = tl.where(_max_where(valid, d) <= MAX_SPREAD, ROUTE_WIDE, r)
+        r = tl.where(tl.max(tl.where(valid, d, 0.0)) <= MAX_SPREAD, ROUTE_WIDE, r)
     return r
 
 
