@@ -100,7 +100,8 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     BV = chunk.state_block(1, H, V, None)
     cases = [
         ("kda gate", kda_chunk_gate_kernel,
-         dict(H=H, K=K, BT=64, BK=K, GATE=False, LOWER_BOUND=False, WIDE=I["wide"], HALVES=I["halves"]),
+         dict(H=H, K=K, BT=64, BK=chunk.GATE["BK"], GATE=False, LOWER_BOUND=False, WIDE=I["wide"],
+              HALVES=I["halves"]),
          chunk.GATE["num_warps"], 3, None),
         ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
          I["num_stages"], I["maxnreg"]),

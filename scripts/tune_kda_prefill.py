@@ -47,7 +47,7 @@ _INTRA_GRID = [
 ]
 _SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[128])
 CANDIDATES = {
-    "GATE": _grid(num_warps=[2, 4, 8]),
+    "GATE": _grid(BK=[16, 32, 64, 128], num_warps=[2, 4, 8]),
     "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False, halves=False)],
     "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False, halves=False)],
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None])
@@ -60,7 +60,7 @@ CANDIDATES = {
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
-    "GATE": _grid(num_warps=[2, 4, 8]),
+    "GATE": _grid(BK=[16, 32, 64, 128], num_warps=[2, 4, 8]),
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128]),

@@ -102,7 +102,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # pivot per 64 rows, every one fits a pivot per 32), so the per-half pass runs alone, the block kernel taking what
 # it leaves. With bound -5 at T=8192, H=64 (run 11, commit 2fd19c0): 1.690 ms (per-half kernel 726 us) against
 # 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best.
-GATE = dict(num_warps=4)
+GATE = dict(BK=32, num_warps=4)
 INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
 INTRA_BOUNDED = dict(wide=False, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=None)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
@@ -221,8 +221,8 @@ def chunk_kda(
         gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
         kda_chunk_gate_kernel[(NT, H)](
             g, G, route, *gate_args, cu, chunk_indices, lower_bound or 0.0,
-            H=H, K=K, BT=chunk_size, BK=BK, GATE=A_log is not None, LOWER_BOUND=lower_bound is not None,
-            WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
+            H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE=A_log is not None,
+            LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, route, cu, chunk_indices, scale)

@@ -65,57 +65,67 @@ def kda_chunk_gate_kernel(
     WIDE: tl.constexpr,
     HALVES: tl.constexpr,
 ):
-    """G of one chunk and head (optionally from the raw gate), and the intra kernel that takes the chunk: chunk-wide
-    (with WIDE) or per-half (with HALVES) where their decay spread fits, else the block kernel."""
+    """G of one chunk and head (optionally from the raw gate), in column slices of BK, and the intra kernel that
+    takes the chunk: chunk-wide (with WIDE) or per-half (with HALVES) where their decay spread fits, else the block
+    kernel."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so offsets inside it are small
-    base = t0 * (H * K) + i_h * K
-    x = _tile(g + base, 0, 0, T, K, H * K, BT, BK)
+    g += t0 * (H * K) + i_h * K
+    G += t0 * (H * K) + i_h * K
+    rate = 1.0
     if GATE:
-        o_k = tl.arange(0, BK)
-        x = x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :]
         rate = tl.exp(tl.load(A_log + i_h))
-        if LOWER_BOUND:
-            x = lower_bound * tl.sigmoid(rate * x)
-        else:
-            # softplus with torch's threshold 20
-            x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    # padding rows come after every valid row, so they never reach a stored cumulative sum
-    b_G = tl.cumsum(x, axis=0) * LOG2E
-    _store_tile(G + base, b_G, 0, 0, T, K, H * K, BT, BK)
+    spread_wide = 0.0
+    spread_halves = 0.0
+    for c in range(0, K, BK):
+        x = _tile(g, 0, c, T, K, H * K, BT, BK)
+        if GATE:
+            o_k = c + tl.arange(0, BK)
+            x = x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :]
+            if LOWER_BOUND:
+                x = lower_bound * tl.sigmoid(rate * x)
+            else:
+                # softplus with torch's threshold 20
+                x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        # padding rows come after every valid row, so they never reach a stored cumulative sum
+        b_G = tl.cumsum(x, axis=0) * LOG2E
+        _store_tile(G, b_G, 0, c, T, K, H * K, BT, BK)
+        if WIDE or HALVES:
+            tl.debug_barrier()  # the pivot rows are read back from G, stored by other threads
+            sw, sh = _spreads(G, b_G, c, T, H * K, K, BT, BK, HALVES)
+            spread_wide = tl.maximum(spread_wide, sw)
+            spread_halves = tl.maximum(spread_halves, sh)
     r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
-    if WIDE or HALVES:
-        tl.debug_barrier()  # the pivot rows are read back from G, stored by other threads
-        r = _intra_route(G + base, b_G, T, H * K, K, BT, BK, WIDE, HALVES)
+    if HALVES:
+        r = tl.where(spread_halves <= MAX_SPREAD, ROUTE_HALVES, r)
+    if WIDE:
+        r = tl.where(spread_wide <= MAX_SPREAD, ROUTE_WIDE, r)
     tl.store(route + i_c * H + i_h, r)
 
 
 @triton.jit
-def _intra_route(G, b_G, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr,
-                 HALVES: tl.constexpr):  # fmt: skip
-    """The route of a chunk from its G [BT, BK] (T valid rows; also in memory at G, for the pivot rows): the largest
-    exponent each intra kernel's factors would reach, with that kernel's pivots, against MAX_SPREAD. Measured
-    here, where the whole G is in registers, rather than in the intra kernels, which would hold a running maximum
-    beside their accumulators (and did every dot before knowing whether to keep them)."""
+def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, HALVES: tl.constexpr):
+    """The largest exponent the chunk-wide and (with HALVES, else 0) the per-half intra kernel's factors would reach
+    on columns c .. c+BK of a chunk's G, [BT, BK] in registers (T valid rows) and in memory at G, each with that
+    kernel's pivots. Measured here, where G is in registers, rather than in the intra kernels, which would hold a
+    running maximum beside their accumulators (and did every dot before knowing whether to keep them)."""
     rows = tl.arange(0, BT)
-    valid = (rows < T)[:, None] & (tl.arange(0, BK) < K)[None, :]
-    first, last = _row(G, 0, 0, stride, K, BK), _row(G, T - 1, 0, stride, K, BK)
-    r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
+    valid = (rows < T)[:, None] & (c + tl.arange(0, BK) < K)[None, :]
+    first, last = _row(G, 0, c, stride, K, BK), _row(G, T - 1, c, stride, K, BK)
+    wide = tl.max(tl.where(valid, tl.abs(b_G - (0.5 * (first + last))[None, :]), 0.0))
+    halves = 0.0
     if HALVES:
         HALF: tl.constexpr = BT // 2
         # as in kda_chunk_intra_halves_kernel: each half around its mid decay, and the cross block's factors
         # exp2(G_i - G_h), exp2(G_h - G_j) around the boundary row h
-        g_h = _row(G, tl.minimum(HALF, T - 1), 0, stride, K, BK)[None, :]
-        c0 = 0.5 * (first + _row(G, tl.minimum(HALF - 1, T - 1), 0, stride, K, BK))[None, :]
+        g_h = _row(G, tl.minimum(HALF, T - 1), c, stride, K, BK)[None, :]
+        c0 = 0.5 * (first + _row(G, tl.minimum(HALF - 1, T - 1), c, stride, K, BK))[None, :]
         c1 = 0.5 * (g_h + last[None, :])
         d = tl.where(rows[:, None] < HALF, tl.maximum(tl.abs(b_G - c0), g_h - b_G),
                      tl.maximum(tl.abs(b_G - c1), b_G - g_h))  # fmt: skip
-        r = tl.where(tl.max(tl.where(valid, d, 0.0)) <= MAX_SPREAD, ROUTE_HALVES, r)
-    if WIDE:
-        d = tl.abs(b_G - (0.5 * (first + last))[None, :])
-        r = tl.where(tl.max(tl.where(valid, d, 0.0)) <= MAX_SPREAD, ROUTE_WIDE, r)
-    return r
+        halves = tl.max(tl.where(valid, d, 0.0))
+    return wide, halves
 
 
 @triton.jit
