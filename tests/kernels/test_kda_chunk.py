@@ -262,6 +262,36 @@ def test_steady_strong_decay_fits_the_halves(monkeypatch):
         assert_rel_close("final_state", s, s_r, 1e-5)
 
 
+@pytest.mark.parametrize("lower_bound, routes", [(-4.0, {0, 1}), (-8.0, {0, 1, 2})])
+def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, lower_bound, routes):
+    """With the gate computed in the kernel, G is monotone and the route reads only the pivot rows; it must equal the
+    element-by-element route of the same decay given as g, on gates that send chunks to every enabled path."""
+    from kimi_helix.kernels.kda import chunk
+
+    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
+
+    class Recorder:  # the block kernel's launch, recording the route of every chunk
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[7].clone())  # route [NT, H]
+                return blocks[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
+    for table in (chunk.INTRA, chunk.INTRA_BOUNDED):
+        monkeypatch.setitem(table, "wide", True)
+        monkeypatch.setitem(table, "halves", True)
+    q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 200, seed=13, raw_gate=True)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    o_g, s_g = chunk_kda(q, k, v, g, beta, **kw)
+    assert torch.equal(seen[0], seen[1]) and set(seen[0].flatten().tolist()) == routes, seen
+    assert_rel_close("o", o, o_g, 1e-5)
+    assert_rel_close("final_state", s, s_g, 1e-5)
+
+
 def test_bad_arguments_raise():
     q, k, v, g, beta, s0, A_log, dt_bias = make_inputs(1, 4, seed=0)
     with pytest.raises(ValueError, match="chunk_size"):
