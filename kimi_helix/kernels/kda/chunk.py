@@ -95,15 +95,21 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 #
 # maxnreg caps the registers a thread (None: ptxas's choice). Run 11 (commit 2fd19c0) timed caps of 168 and 128 on
 # the intra kernels and 128 on WY: none beat None by more than the run-to-run spread (the chunk-wide kernel 419 us
-# capped at 168 against 418 uncapped), and the block kernel lost 50-220% capped.
+# capped at 168 against 418 uncapped), and the block kernel lost 50-220% capped. Since the gate kernel routes the
+# chunks (run 12), the chunk-wide kernel holds no running spread, and 128 registers gained: 1.462 and 1.463 ms
+# against 1.480 and 1.482 uncapped in two sweeps (commits dfa52e5, eade97d).
+#
+# GATE["BK"] is the gate kernel's column slice. Run 12 (commit eade97d) at T=8192, H=64: the whole 128 columns at
+# once with 4 warps did best for both gates (1.461 ms against 1.482 at BK=32; bounded 1.579 against 1.622).
 #
 # INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
 # almost every chunk's spread too wide for the chunk-wide kernel (on the benchmark's gates no (chunk, head) fits one
 # pivot per 64 rows, every one fits a pivot per 32), so the per-half pass runs alone, the block kernel taking what
 # it leaves. With bound -5 at T=8192, H=64 (run 11, commit 2fd19c0): 1.690 ms (per-half kernel 726 us) against
-# 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best.
-GATE = dict(BK=32, num_warps=4)
-INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
+# 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best. Routed by the gate kernel (run 12,
+# commit eade97d), the per-half kernel takes 637 us.
+GATE = dict(BK=128, num_warps=4)
+INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=128)
 INTRA_BOUNDED = dict(wide=False, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=None)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
 WY = dict(split=False, BS=64, num_warps=8, num_stages=3, maxnreg=None)
