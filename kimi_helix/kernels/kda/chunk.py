@@ -71,8 +71,9 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
 # program of the state and output kernels (OUTPUT only applies without STATE["output"]).
 #
-# INTRA["wide"] runs the chunk-wide factorisation first and leaves only the chunks it cannot take to the block
-# kernel; without it the block kernel does every chunk. Whole prefill on an H200 at T=8192, H=64
+# INTRA["wide"] lets the gate kernel route every chunk whose decay spread fits to the chunk-wide factorisation, the
+# rest to the block kernel (or, with INTRA["halves"], first to the per-half pass); without either the block kernel
+# does every chunk. Whole prefill on an H200 at T=8192, H=64
 # (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4 warps and 3 stages
 # 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms), the block kernel for
 # every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block kernel does best at BKS=16
@@ -82,12 +83,12 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # is within 3% of the best, 2.37 ms at BV=32).
 #
 # The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
-# against 1.61 at BS=32. INTRA["halves"] runs the per-half pass (chunk_intra_halves.py) before the block kernel,
-# on the chunks the whole-chunk pass left (or, without INTRA["wide"], on every chunk); WY["split"] gives each WY
-# column slice its own program. Both lost where timed (split: 1.64 ms at best, run 9; halves after the whole-chunk
-# pass: 1.61 ms at best against 1.59 without, run 11). Running the WY stage as the intra kernels' epilogue lost too
-# (run 10, commit 0413920, reverted: 1.588 ms at best against 1.568; the intra kernels' two programs an SM starve
-# it).
+# against 1.61 at BS=32. INTRA["halves"] enables the per-half pass (chunk_intra_halves.py) for the chunks too wide
+# for the whole-chunk pass (or, without INTRA["wide"], for every chunk that fits); WY["split"] gives each WY column
+# slice its own program. Both lost where timed (split: 1.64 ms at best, run 9; halves after the whole-chunk pass:
+# 1.61 ms at best against 1.59 without, run 11; routed, 1.496 against 1.480, run 12). Running the WY stage as the
+# intra kernels' epilogue lost too (run 10, commit 0413920, reverted: 1.588 ms at best against 1.568; the intra
+# kernels' two programs an SM starve it).
 #
 # STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
 # registers and the output kernel does not run. At T=8192, H=64: 1.483 ms with 4 warps against 1.572 for the two
