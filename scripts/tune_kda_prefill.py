@@ -60,7 +60,7 @@ CANDIDATES = {
     "OUTPUT": _grid(BV=[32, 64, 128], num_warps=[4, 8], num_stages=[1, 3]),
 }
 SMOKE_CANDIDATES = {
-    "GATE": _grid(BK=[16, 32, 64, 128], num_warps=[2, 4, 8]),
+    "GATE": _grid(BK=[16], num_warps=[2, 4]),
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
     "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128]),

@@ -233,52 +233,49 @@ def test_steady_strong_decay(chunk_size):
     assert_rel_close("final_state", s, s_r, 1e-5)
 
 
-def test_steady_strong_decay_fits_the_halves(monkeypatch):
+@pytest.fixture
+def routes_seen(monkeypatch):
+    """The route [NT, H] of every chunk_kda call, recorded at the block kernel's launch (which always runs)."""
+    from kimi_helix.kernels.kda import chunk
+
+    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[7].clone())
+                return blocks[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
+    return seen
+
+
+def test_steady_strong_decay_fits_the_halves(monkeypatch, routes_seen):
     """On test_steady_strong_decay's gates the gate kernel routes every chunk to the per-half pass (none to the
     block kernel), while the chunk-wide pass can take none of the two full chunks (only the 8-row tail); both give
     the reference's results."""
     from kimi_helix.kernels.kda import chunk
 
     q, k, v, g, beta, s0 = _steady_decay_inputs()
-    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
-
-    class Recorder:  # the block kernel's launch, recording the route of every chunk
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(args[7].clone())  # route [NT, H]
-                return blocks[grid](*args, **kw)
-
-            return launch
-
-    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **{n: x for n, x in kw.items() if n != "chunk_size"})
     for wide, halves, routes in ((True, False, [2, 2, 0]), (False, True, [1, 1, 1])):
         monkeypatch.setitem(chunk.INTRA, "wide", wide)
         monkeypatch.setitem(chunk.INTRA, "halves", halves)
         o, s = chunk_kda(q, k, v, g, beta, **kw)
-        assert seen[-1].flatten().tolist() == routes, (wide, halves, seen[-1])
+        assert routes_seen[-1].flatten().tolist() == routes, (wide, halves, routes_seen[-1])
         assert_rel_close("o", o, o_r, 1e-5)
         assert_rel_close("final_state", s, s_r, 1e-5)
 
 
 @pytest.mark.parametrize("lower_bound, routes", [(-4.0, {0, 1}), (-8.0, {0, 1, 2})])
-def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, lower_bound, routes):
+def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, routes_seen, lower_bound, routes):
     """With the gate computed in the kernel, G is monotone and the route reads only the pivot rows; it must equal the
     element-by-element route of the same decay given as g, on gates that send chunks to every enabled path."""
     from kimi_helix.kernels.kda import chunk
 
-    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
-
-    class Recorder:  # the block kernel's launch, recording the route of every chunk
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(args[7].clone())  # route [NT, H]
-                return blocks[grid](*args, **kw)
-
-            return launch
-
-    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
     for table in (chunk.INTRA, chunk.INTRA_BOUNDED):
         monkeypatch.setitem(table, "wide", True)
         monkeypatch.setitem(table, "halves", True)
@@ -287,7 +284,7 @@ def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, lower_bound, ro
     o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     o_g, s_g = chunk_kda(q, k, v, g, beta, **kw)
-    assert torch.equal(seen[0], seen[1]) and set(seen[0].flatten().tolist()) == routes, seen
+    assert torch.equal(routes_seen[0], routes_seen[1]) and set(routes_seen[0].flatten().tolist()) == routes, routes_seen
     assert_rel_close("o", o, o_g, 1e-5)
     assert_rel_close("final_state", s, s_g, 1e-5)
 

@@ -93,7 +93,7 @@ def kda_chunk_gate_kernel(
         _store_tile(G, b_G, 0, c, T, K, H * K, BT, BK)
         if WIDE or HALVES:
             tl.debug_barrier()  # the pivot rows are read back from G, stored by other threads
-            sw, sh = _spreads(G, b_G, c, T, H * K, K, BT, BK, HALVES, GATE)
+            sw, sh = _spreads(G, b_G, c, T, H * K, K, BT, BK, WIDE, HALVES, GATE)
             spread_wide = tl.maximum(spread_wide, sw)
             spread_halves = tl.maximum(spread_halves, sh)
     r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
@@ -105,12 +105,13 @@ def kda_chunk_gate_kernel(
 
 
 @triton.jit
-def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, HALVES: tl.constexpr,
-             MONOTONE: tl.constexpr):  # fmt: skip
-    """The largest exponent the chunk-wide and (with HALVES, else 0) the per-half intra kernel's factors would reach
-    on columns c .. c+BK of a chunk's G, [BT, BK] in registers (T valid rows) and in memory at G, each with that
-    kernel's pivots. Measured here, where G is in registers, rather than in the intra kernels, which would hold a
-    running maximum beside their accumulators (and did every dot before knowing whether to keep them).
+def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr,
+             HALVES: tl.constexpr, MONOTONE: tl.constexpr):  # fmt: skip
+    """The largest exponent the chunk-wide (with WIDE, else 0) and the per-half (with HALVES, else 0) intra kernel's
+    factors would reach on columns c .. c+BK of a chunk's G, [BT, BK] in registers (T valid rows) and in memory at
+    G, each with that kernel's pivots. Measured here, where G is in registers, rather than in the intra kernels,
+    which would hold a running maximum beside their accumulators (and did every dot before knowing whether to keep
+    them).
 
     MONOTONE: G is non-increasing down the rows (the gate computed in the kernel is never positive), so the pivot
     rows alone bound every exponent; a given g is checked element by element, as it may break that."""
@@ -118,17 +119,21 @@ def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
     m_k = (c + tl.arange(0, BK)) < K
     valid = (rows < T)[:, None] & m_k[None, :]
     first, last = _row(G, 0, c, stride, K, BK), _row(G, T - 1, c, stride, K, BK)
-    HALF: tl.constexpr = BT // 2
-    # each half around its mid decay, as in kda_chunk_intra_halves_kernel, whose cross block factors around g_h
-    g_h = _row(G, tl.minimum(HALF, T - 1), c, stride, K, BK)
-    g_h1 = _row(G, tl.minimum(HALF - 1, T - 1), c, stride, K, BK)
-    if MONOTONE:
-        wide = 0.5 * tl.max(tl.where(m_k, first - last, 0.0))
-        halves = 0.5 * tl.max(tl.where(m_k, tl.maximum(first - g_h1, g_h - last), 0.0))
-    else:
-        wide = tl.max(tl.where(valid, tl.abs(b_G - (0.5 * (first + last))[None, :]), 0.0))
-        halves = 0.0
-        if HALVES:
+    wide = 0.0
+    if WIDE:
+        if MONOTONE:
+            wide = 0.5 * tl.max(tl.where(m_k, first - last, 0.0))
+        else:
+            wide = tl.max(tl.where(valid, tl.abs(b_G - (0.5 * (first + last))[None, :]), 0.0))
+    halves = 0.0
+    if HALVES:
+        HALF: tl.constexpr = BT // 2
+        # each half around its mid decay, as in kda_chunk_intra_halves_kernel, whose cross block factors around g_h
+        g_h = _row(G, tl.minimum(HALF, T - 1), c, stride, K, BK)
+        g_h1 = _row(G, tl.minimum(HALF - 1, T - 1), c, stride, K, BK)
+        if MONOTONE:
+            halves = 0.5 * tl.max(tl.where(m_k, tl.maximum(first - g_h1, g_h - last), 0.0))
+        else:
             c0 = 0.5 * (first + g_h1)[None, :]
             c1 = 0.5 * (g_h + last)[None, :]
             d = tl.where(rows[:, None] < HALF, tl.maximum(tl.abs(b_G - c0), g_h[None, :] - b_G),
