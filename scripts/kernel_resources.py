@@ -9,7 +9,8 @@
                                                             # between Triton versions
 
 Columns: registers a thread, stack bytes a thread (register spills), shared memory bytes, and SASS instruction
-counts: HGMMA (warpgroup tensor-core MMA), HMMA (warp-level MMA), LDGSTS (cp.async global -> shared copies) and
+counts: HGMMA (warpgroup tensor-core MMA), HMMA (warp-level MMA), LDGSTS (cp.async global -> shared copies), UTMALDG
+(TMA tile loads) and
 LDL/STL (local-memory loads and stores: spill traffic). Static counts, not timings.
 """
 
@@ -37,7 +38,7 @@ from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.mla import decode
 
 TARGET = GPUTarget("cuda", 90, 32)
-SASS = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL")
+SASS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDL", "STL")
 # Argument types by name; any other pointer is a bf16 tensor (the model's activations).
 _FP32_PTRS = {"G", "Ai", "rnorm", "h0", "ht", "A_log", "dt_bias", "kv_scale_ptr", "lse_ptr", "out_ptr"}
 _INT_PTRS = {"route", "cu_seqlens", "chunk_indices", "chunk_offsets", "state_indices", "block_table_ptr",
@@ -122,15 +123,23 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
 
 
 def mla_cases() -> list[tuple]:
-    """The MLA decode kernel at each committed schedule (bf16 q, page size 64, split KV)."""
+    """The MLA decode kernel at each committed schedule (bf16 q, page size 64, split KV), with TMA tiles where the
+    schedule asks for them and they fit inside a page."""
     cases = []
     for (kv_bytes, rows), sched in decode.SCHEDULES.items():
         fp8 = kv_bytes == 1
+        tma = sched.tma and 64 % sched.block_n == 0
         c = dict(PAGE_SIZE=64, DC=512, DR=64, BLOCK_H=rows, BLOCK_Q=1, BLOCK_N=sched.block_n, SEQS_POW2=256,
                  COMPUTE_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8, HAS_BOUNDS=False, SPLIT=True,
-                 RESCALE_SLACK=sched.rescale_slack)  # fmt: skip
-        name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys"
-        overrides = {"kv_ptr": "*fp8e4nv"} if fp8 else {}
+                 RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
+        kv = "fp8e4nv" if fp8 else "bf16"
+        overrides = {"kv_ptr": f"*{kv}"}
+        if tma:
+            overrides.update(kv_c_desc=f"tensordesc<{kv}[1, {sched.block_n}, 512]>",
+                             kv_pe_desc=f"tensordesc<{kv}[1, {sched.block_n}, 64]>")  # fmt: skip
+        else:
+            c.update(kv_c_desc=None, kv_pe_desc=None)
+        name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys{', TMA' if tma else ''}"
         cases.append((name, decode.mla_decode_fwd_kernel, c, sched.num_warps, sched.num_stages, overrides, None))
     return cases
 

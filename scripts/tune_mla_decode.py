@@ -2,6 +2,7 @@
 
     python scripts/tune_mla_decode.py --out $OUT            # the target cases of bench_mla.py, about 3 minutes
     python scripts/tune_mla_decode.py --smoke               # two candidates on tiny shapes (CPU interpreter)
+    python scripts/tune_mla_decode.py --tma --out $OUT      # schedules whose whole tiles TMA copies
 
 For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
 bytes and tile rows), and the committed one, each splitting for 2 programs an SM; then the best three and the
@@ -46,21 +47,22 @@ SMOKE_CASES = [(2, 16, 1, 40, "fp16")]
 DEFAULTS = dict(decode.SCHEDULES)  # the committed schedules, before the sweep overrides them
 
 
-def candidates(rows: int, smoke: bool) -> list[decode.Schedule]:
+def candidates(rows: int, smoke: bool, tma: bool) -> list[decode.Schedule]:
     if smoke:
-        return [decode.Schedule(32, 4, 1, 0.0), decode.Schedule(32, 4, 1, 8.0)]
-    # one stage (no cp.async pipeline, smaller tiles): more programs an SM instead of deeper buffers
-    block_ns = (32, 64) if rows == 64 else (32, 64, 128)
+        return [decode.Schedule(32, 4, 1, 0.0, tma=tma), decode.Schedule(32, 4, 1, 8.0, tma=tma)]
+    # one stage (no cp.async pipeline, smaller tiles): more programs an SM instead of deeper buffers; TMA tiles
+    # must fit inside bench_mla.py's 64-key pages
+    block_ns = (32, 64) if rows == 64 or tma else (32, 64, 128)
     stages = (2, 3) if rows == 64 else (1, 2, 3, 4)
-    return [decode.Schedule(*c) for c in itertools.product(block_ns, (4, 8), stages, (0.0, 8.0))]
+    return [decode.Schedule(*c, tma=tma) for c in itertools.product(block_ns, (4, 8), stages, (0.0, 8.0))]
 
 
-def sweep(case, smoke: bool) -> list[decode.Schedule]:
-    """The candidates of the case's tile class (with the class's committed shortest split) and the committed
-    schedule, each once."""
+def sweep(case, smoke: bool, tma: bool = False) -> list[decode.Schedule]:
+    """The candidates of the case's tile class (with the class's committed shortest split; TMA tiles or gathered
+    ones) and the committed schedule, each once."""
     key = tile_key(case)
     tiles = DEFAULTS[key].min_split_tiles
-    cands = [c._replace(min_split_tiles=tiles) for c in candidates(key[1], smoke)]
+    cands = [c._replace(min_split_tiles=tiles) for c in candidates(key[1], smoke, tma)]
     return list(dict.fromkeys([*cands, _committed(key)]))
 
 
@@ -122,6 +124,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None, help="directory for tune_mla_decode.jsonl (none: no file)")
     ap.add_argument("--cases", nargs="+", type=parse_case, help="only these cases, each as b,h,s_q,s_k,kv")
+    ap.add_argument("--tma", action="store_true", help="sweep schedules whose whole tiles are copied by TMA")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,7 +132,7 @@ def main(argv=None) -> list[dict]:
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
         cases = args.cases
-    jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke)]
+    jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke, args.tma)]
     errors = dict(zip(((c, s) for c, s, _ in jobs), precompile(_compile, jobs, args.jobs, device)))
 
     meta = run_metadata()
@@ -141,7 +144,8 @@ def main(argv=None) -> list[dict]:
             key = tile_key(case)
             cache = Cache(b, s_k, kv, device, dtype)
             timed = []
-            for sched, waves in [(s, 2) for s in sweep(case, args.smoke)] + [(None, w) for w in (1, 4, 8)]:
+            first = [(s, 2) for s in sweep(case, args.smoke, args.tma)]
+            for sched, waves in first + [(None, w) for w in (1, 4, 8)]:
                 if sched is None:  # second pass: the best three schedules at other split targets
                     tops = [s for _, s, _ in sorted(t for t in timed if t[2] == 2)[:3]]
                     # the committed schedule too, so that a sweep never loses to a setting it did not time

@@ -146,6 +146,34 @@ def test_rescale_schedules(nan_empty, monkeypatch, kv_dtype, slack):
     assert_rel_close("lse", lse, want_lse, 1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tma_tiles(nan_empty, monkeypatch, kv_dtype, splits):
+    # 16-key tiles by TMA inside 32-key pages. A sequence's partial last tile is read as the window ending at its
+    # last key: the keys before it in the page, or zeros before the page's first row; never the poisoned rows past
+    # the sequence's end.
+    args, _ = make_case([200, 7, 96, 33], [1, 2, 3, 1], H=8, page_size=32, dtype=torch.float16, kv_dtype=kv_dtype,
+                        seed=13)  # fmt: skip
+    args["kv_bounds"] = torch.tensor([150, 0, 5, 40, 96, 96, 17], dtype=torch.int32, device=DEVICE)
+    want_out, want_lse = mla_decode_ref(**args)
+    calls = []
+    monkeypatch.setattr(decode, "_tma_descriptors", lambda *a, f=decode._tma_descriptors: calls.append(a) or f(*a))
+    for tma in (False, True):
+        for key in decode.SCHEDULES:
+            monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, 0.0, tma=tma))
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert len(calls) == tma  # the descriptors are made (the TMA path taken) exactly when the schedule asks
+        assert_rel_close(f"out tma={tma}", out, want_out.float(), TOL[torch.float16])
+        assert_rel_close(f"lse tma={tma}", lse, want_lse, 1e-5)
+
+
+def test_tma_needs_tiles_inside_pages():
+    cache = torch.zeros(4, 64, 48, dtype=torch.float16)
+    assert decode._tma_ok(cache, 32, 64) == (os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda")
+    assert not decode._tma_ok(cache, 32, 128)  # a 128-key tile would span two pages
+    assert not decode._tma_ok(torch.zeros(4, 64, 44, dtype=torch.float16), 32, 64)  # 88-byte rows
+
+
 @pytest.mark.parametrize("splits", [None, 3])
 def test_kv_bounds_with_empty_queries(nan_empty, splits):
     lens = [20, 45]
@@ -222,7 +250,8 @@ def test_bench_smoke(tmp_path):
     )
 
 
-def test_tune_smoke(tmp_path):
+@pytest.mark.parametrize("tma", [False, True])
+def test_tune_smoke(tmp_path, tma):
     import json
     import sys
 
@@ -232,12 +261,13 @@ def test_tune_smoke(tmp_path):
     finally:
         sys.path.pop(0)
     committed = dict(decode.SCHEDULES), decode.MIN_WAVES
-    tune_mla_decode.main(["--smoke", "--out", str(tmp_path)])
+    tune_mla_decode.main(["--smoke", "--out", str(tmp_path), *(["--tma"] if tma else [])])
     rows = [json.loads(line) for line in (tmp_path / "tune_mla_decode.jsonl").read_text().splitlines()]
     assert rows and all(r["error"] is None and r["ms"] > 0 for r in rows), rows
     assert {r["min_waves"] for r in rows} == {1, 2, 4, 8}
     # the sweep times the committed schedule too, and leaves the module as it found it
     assert [*tune_mla_decode.DEFAULTS[tuple(rows[0]["key"])]] in [r["schedule"] for r in rows]
+    assert any(r["schedule"][-1] == tma for r in rows)  # the candidates copy tiles by TMA exactly with --tma
     assert (dict(decode.SCHEDULES), decode.MIN_WAVES) == committed
 
 
@@ -270,11 +300,14 @@ def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
 @pytest.mark.parametrize(("H", "s_q"), [(16, 1), (16, 4), (96, 1), (96, 4), (128, 1), (128, 4)])
-def test_gpu_bf16_real_shape(nan_empty, kv, H, s_q):
+def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    for key, sched in decode.SCHEDULES.items():  # TMA tiles must lie inside the 64-key pages
+        monkeypatch.setitem(decode.SCHEDULES, key, sched._replace(block_n=min(sched.block_n, 64), tma=tma))
     gen = torch.Generator().manual_seed(H + s_q)
     lens = (torch.randint(3000, 5000, (6,), generator=gen)).tolist() + [1, s_q]
     args, _ = make_case(lens, [s_q] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kimi_helix.kernels.device import num_sms
 
@@ -52,9 +53,74 @@ def _raise_max(acc, l_i, m_i, m_tile):
 
 
 @triton.jit
+def _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi, PAGE_SIZE: tl.constexpr, DC: tl.constexpr,
+                      DR: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):  # fmt: skip
+    """Keys n ([BLOCK_N]) of the sequence whose block-table row is pages_ptr, by a page lookup per key: (their cache
+    slots page * PAGE_SIZE + offset, c, pe)."""
+    n_ok = n < hi
+    # Per-key page lookup: a tile may span several small pages or sit inside one large page.
+    page = tl.load(pages_ptr + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    kv_row = kv_ptr + page * stride_kvp + (n % PAGE_SIZE) * stride_kvs
+    # Masked-off keys load as 0, not as whatever stale bytes the page holds: 0 * NaN in P @ V would poison rows.
+    dc = tl.arange(0, DC)
+    c = tl.load(kv_row[:, None] + dc[None, :], mask=n_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+    pe = c  # unused when DR == 0
+    if DR > 0:
+        dr = tl.arange(0, DR)
+        pe = tl.load(kv_row[:, None] + DC + dr[None, :], mask=n_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+    return page * PAGE_SIZE + n % PAGE_SIZE, c, pe
+
+
+@triton.jit
+def _load_tile_tma(kv_c_desc, kv_pe_desc, page, row, BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr):
+    """Rows [row, row + BLOCK_N) of one page by TMA, zeros where row < 0: (c [BLOCK_N, DC], pe [BLOCK_N, DR])."""
+    c = kv_c_desc.load([page, row, 0]).reshape(BLOCK_N, DC)
+    pe = c  # unused when DR == 0
+    if DR > 0:
+        pe = kv_pe_desc.load([page, row, 0]).reshape(BLOCK_N, DR)
+    return c, pe
+
+
+@triton.jit
+def _attend_tile(q_c, q_pe, c, pe, kv_scale_ptr, key_slot, n, lo, hi, bound, acc, l_i, m_i, qk_scale,
+                 DR: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
+                 RESCALE_SLACK: tl.constexpr):  # fmt: skip
+    """The tile's keys n in [lo, hi) into the online softmax: scores, the running max and sum, acc += P @ c."""
+    s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
+    if DR > 0:
+        s = tl.dot(q_pe, tl.trans(pe), s, input_precision=DOT_PRECISION)
+    visible = (n >= lo)[None, :] & (n[None, :] < bound[:, None])
+    if IS_FP8:
+        # Dequantise per key (column) in fp32 rather than per element of the tile: exact and cheaper.
+        key_scale = tl.load(kv_scale_ptr + key_slot, mask=(n >= lo) & (n < hi), other=0.0)
+        s = s * (key_scale * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_tile = tl.max(s, axis=1)
+    if RESCALE_SLACK > 0:
+        # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of acc) until some row's max
+        # grows by more than the slack; p <= 2^slack meanwhile, far from overflowing bf16 or the fp32 sums.
+        grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)
+        if tl.max(grow, axis=0) > RESCALE_SLACK:
+            acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
+    else:
+        acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
+    # Rows with no visible key so far keep m = -inf; offsetting by 0 instead keeps exp2 away from -inf - -inf.
+    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    l_i += tl.sum(p, axis=1)
+    if IS_FP8:
+        p = p * key_scale[None, :]
+    acc = tl.dot(p.to(COMPUTE_DTYPE), c, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def mla_decode_fwd_kernel(
     q_ptr,
     kv_ptr,
+    kv_c_desc,
+    kv_pe_desc,
     kv_scale_ptr,
     block_table_ptr,
     cache_seqlens_ptr,
@@ -85,6 +151,7 @@ def mla_decode_fwd_kernel(
     HAS_BOUNDS: tl.constexpr,
     SPLIT: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Head blocks vary fastest so the programs sharing a sequence's latents run together and share them in L2.
     pid = tl.program_id(0)
@@ -127,6 +194,7 @@ def mla_decode_fwd_kernel(
     dc = tl.arange(0, DC)
     q_row = q_ptr + tok.to(tl.int64) * stride_qt + head * stride_qh
     q_c = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q_pe = q_c  # unused when DR == 0
     if DR > 0:
         dr = tl.arange(0, DR)
         q_pe = tl.load(q_row[:, None] + DC + dr[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
@@ -134,40 +202,24 @@ def mla_decode_fwd_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_H, DC], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        # Per-key page lookup: a tile may span several small pages or sit inside one large page.
-        page = tl.load(block_table_ptr + seq * stride_bt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        kv_row = kv_ptr + page * stride_kvp + (n % PAGE_SIZE) * stride_kvs
-        # Masked-off keys load as 0, not as whatever stale bytes the page holds: 0 * NaN in P @ V would poison rows.
-        c = tl.load(kv_row[:, None] + dc[None, :], mask=n_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-        s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
-        if DR > 0:
-            pe = tl.load(kv_row[:, None] + DC + dr[None, :], mask=n_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-            s = tl.dot(q_pe, tl.trans(pe), s, input_precision=DOT_PRECISION)
-        if IS_FP8:
-            # Dequantise per key (column) in fp32 rather than per element of the tile: exact and cheaper.
-            key_scale = tl.load(kv_scale_ptr + page * PAGE_SIZE + n % PAGE_SIZE, mask=n_ok, other=0.0)
-            s = s * (key_scale * qk_scale)[None, :]
+    pages_ptr = block_table_ptr + seq * stride_bt
+    for tile_lo in range(lo, hi, BLOCK_N):
+        if USE_TMA:
+            # A tile lies inside one page. A partial last tile is read as the window ending at the split's last key:
+            # never the stale rows past a sequence's end (0 * NaN in P @ V would poison rows), but keys before the
+            # tile (masked out) or, before the page's first row, TMA's zero fill.
+            shift = BLOCK_N - tl.minimum(hi - tile_lo, BLOCK_N)
+            page = tl.load(pages_ptr + tile_lo // PAGE_SIZE)
+            c, pe = _load_tile_tma(kv_c_desc, kv_pe_desc, page, tile_lo % PAGE_SIZE - shift, BLOCK_N, DC, DR)
+            c, pe = c.to(COMPUTE_DTYPE), pe.to(COMPUTE_DTYPE)
+            n = tile_lo - shift + tl.arange(0, BLOCK_N)
+            key_slot = page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE
         else:
-            s = s * qk_scale
-        s = tl.where(n[None, :] < bound[:, None], s, float("-inf"))
-        m_tile = tl.max(s, axis=1)
-        if RESCALE_SLACK > 0:
-            # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of acc) until some row's max
-            # grows by more than the slack; p <= 2^slack meanwhile, far from overflowing bf16 or the fp32 sums.
-            grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)
-            if tl.max(grow, axis=0) > RESCALE_SLACK:
-                acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
-        else:
-            acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
-        # Rows with no visible key so far keep m = -inf; offsetting by 0 instead keeps exp2 away from -inf - -inf.
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i += tl.sum(p, axis=1)
-        if IS_FP8:
-            p = p * key_scale[None, :]
-        acc = tl.dot(p.to(COMPUTE_DTYPE), c, acc, input_precision=DOT_PRECISION)
+            n = tile_lo + tl.arange(0, BLOCK_N)
+            key_slot, c, pe = _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi, PAGE_SIZE, DC, DR,
+                                                COMPUTE_DTYPE)  # fmt: skip
+        acc, l_i, m_i = _attend_tile(q_c, q_pe, c, pe, kv_scale_ptr, key_slot, n, tile_lo, hi, bound, acc, l_i, m_i,
+                                     qk_scale, DR, COMPUTE_DTYPE, DOT_PRECISION, IS_FP8, RESCALE_SLACK)  # fmt: skip
 
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -221,8 +273,8 @@ MIN_WAVES = 4
 
 class Schedule(NamedTuple):
     """How one tile class runs: keys per tile, warps, pipeline stages, the lazy-rescale slack (log2 units; 0
-    rescales the accumulator whenever a row max grows), the programs per SM its split count aims for, and the
-    fewest tiles a split keeps."""
+    rescales the accumulator whenever a row max grows), the programs per SM its split count aims for, the fewest
+    tiles a split keeps, and whether whole tiles are copied by TMA (where the cache allows: see `_tma_ok`)."""
 
     block_n: int
     num_warps: int
@@ -230,6 +282,7 @@ class Schedule(NamedTuple):
     rescale_slack: float
     min_waves: int = MIN_WAVES
     min_split_tiles: int = 4
+    tma: bool = False
 
 
 # By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
@@ -290,6 +343,34 @@ def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
         num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack,
     ), sched  # fmt: skip
+
+
+def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int) -> bool:
+    """Whether TMA can copy this cache's tiles: each tile must lie inside one page (so block_n divides the page
+    size), TMA needs Hopper or newer (or the interpreter), and 16-byte aligned pages, rows and column blocks."""
+    if kv_cache.device.type == "cuda":
+        if torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    elem = kv_cache.element_size()
+    return (
+        kv_cache.shape[1] % block_n == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and kv_cache.shape[2] * elem % 16 == 0
+        and kv_lora_rank * elem % 16 == 0
+    )
+
+
+def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int):
+    """Descriptors of the pages [num_pages, page_size, D]: [1, block_n, kv_lora_rank] tiles of c and
+    [1, block_n, rope_dim] tiles of k_pe (None without rope). Rows outside a page read as zeros."""
+    c = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), [1, block_n, kv_lora_rank])
+    rope = kv_cache.shape[2] - kv_lora_rank
+    if rope == 0:
+        return c, None
+    pe = kv_cache[..., kv_lora_rank:]
+    return c, TensorDescriptor(pe, list(pe.shape), list(pe.stride()), [1, block_n, rope])
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
@@ -376,6 +457,8 @@ def mla_decode_triton(
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
     cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size())
+    use_tma = sched.tma and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
+    kv_c_desc, kv_pe_desc = _tma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"]) if use_tma else (None, None)
     num_head_blocks = -(-H // cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
@@ -390,6 +473,8 @@ def mla_decode_triton(
     mla_decode_fwd_kernel[(slots * num_head_blocks * splits,)](
         q,
         kv_cache,
+        kv_c_desc,
+        kv_pe_desc,
         kv_scale,
         block_table,
         cache_seqlens,
@@ -416,6 +501,7 @@ def mla_decode_triton(
         IS_FP8=kv_cache.dtype == FP8,
         HAS_BOUNDS=kv_bounds is not None,
         SPLIT=splits > 1,
+        USE_TMA=use_tma,
         **cfg,
     )
     if splits > 1:
