@@ -295,13 +295,18 @@ class Schedule(NamedTuple):
 # but lost 5-20% at b=32 with 4k-8k keys, where a split kept only about 4 tiles. Keeping at least 8 tiles a split
 # as well (run 11, timed in one call against 4 programs an SM and 4 tiles, 8 cases): b=128 12% faster to 1% slower,
 # b=32 7-9% faster at 4k keys and 2-3% slower at 8k; at 32k keys the split counts are those of the b3f3b3e grid.
+# TMA tiles (run 13, `tune_mla_decode.py --tma` at b53ddaa, every candidate beside the gathered schedules) win
+# where the tile is compute-heavy or converted from fp8: rows=64 1.13 ms against 1.37 (H=128; H=16 at s_q=4 0.64
+# against 0.73), fp8 rows=64 1.66 against 2.03 and fp8 rows=16 0.74 against 0.86; gathered 128-key tiles stay
+# ahead at bf16 rows=16 (0.43 ms against 0.48) and rows=32 (0.54 against 0.61). fp8 rows=32 follows rows=16 (not
+# swept). A cache whose pages are not a multiple of 64 keys runs these schedules with gathered tiles.
 SCHEDULES = {
     (2, 16): Schedule(128, 8, 2, 0.0),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8),
-    (2, 64): Schedule(64, 8, 3, 0.0),
-    (1, 16): Schedule(64, 8, 2, 0.0),
-    (1, 32): Schedule(64, 8, 2, 0.0),
-    (1, 64): Schedule(64, 8, 3, 0.0),
+    (2, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
 
