@@ -7,7 +7,8 @@
 Each case is timed with triton.testing.do_bench (median) while rotating over several block tables into one large
 cache, so the latents come from HBM rather than L2. TB/s counts the latents read once plus q, out and lse; TFLOP/s
 counts 2 * s_q * sum(s_k) * H * (2 * kv_lora_rank + rope_dim). The same run measures the roofline (a >= 1 GiB
-device-to-device copy, read + write, and a bf16 8192^3 matmul). One JSON object per case goes to
+device-to-device copy, read + write, and a bf16 8192^3 matmul). The Triton kernel is also timed by CUDA-graph
+replays (graph_ms: GPU time alone; call by call, small cases are bound by the host). One JSON object per case goes to
 <out>/mla_decode.jsonl; a failing case is recorded with its error and the run goes on. A markdown table ends it.
 """
 
@@ -83,7 +84,9 @@ class Cache:
 
 
 def run_case(cache, b, h, s_q, backend, device, q_dtype):
-    """Time one case; returns (ms, tbps, tflops)."""
+    """Time one case; returns (ms, tbps, tflops, graph_ms): graph_ms (the Triton kernel on the GPU only, else None)
+    is the GPU time of CUDA-graph replays, without the host's launch cost that bounds small cases timed call by
+    call."""
     gen = torch.Generator().manual_seed(h * 7 + s_q)
     T = b * s_q
     q = torch.randn(T, h, KV_LORA + ROPE, generator=gen).to(device=device, dtype=q_dtype)
@@ -95,9 +98,10 @@ def run_case(cache, b, h, s_q, backend, device, q_dtype):
         return fn(q, cache.kv, next(tables), cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
 
     ms = bench_ms(call, device)
+    graph_ms = bench_ms(call, device, graph=True) if backend == "triton" and device.type == "cuda" else None
     io_bytes = cache.kv_bytes + q.numel() * q.element_size() + T * h * (KV_LORA * q.element_size() + 4)
     flops = 2 * s_q * cache.total_keys * h * (2 * KV_LORA + ROPE)
-    return ms, io_bytes / ms / 1e9, flops / ms / 1e9
+    return ms, io_bytes / ms / 1e9, flops / ms / 1e9, graph_ms
 
 
 def main(argv=None) -> list[dict]:
@@ -130,30 +134,32 @@ def main(argv=None) -> list[dict]:
     with JsonlWriter(Path(args.out) / "mla_decode.jsonl", echo=sys.stderr) as results:
         # Grouped by cache shape so each large cache is built once.
         for (b, h, s_q, s_k, kv), backend in sorted(runs, key=lambda r: (-r[0][0], r[0][3], r[0][4], r[1])):
-            rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, ms=None, tbps=None, tflops=None)
+            rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, ms=None, tbps=None, tflops=None,
+                       graph_ms=None)  # fmt: skip
             try:
                 if cache_key != (b, s_k, kv):
                     cache, cache_key = None, None  # free the previous one first
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     cache, cache_key = Cache(b, s_k, kv, device, q_dtype), (b, s_k, kv)
-                ms, tbps, tflops = run_case(cache, b, h, s_q, backend, device, q_dtype)
+                ms, tbps, tflops, graph_ms = run_case(cache, b, h, s_q, backend, device, q_dtype)
                 rec.update(ms=round(ms, 4), tbps=round(tbps, 3), tflops=round(tflops, 1), error=None)
+                rec["graph_ms"] = None if graph_ms is None else round(graph_ms, 4)
             except Exception as err:  # a failing case is recorded, the rest still run
                 rec["error"] = f"{type(err).__name__}: {err}"[:500]
             results.write(rec)
 
     records = results.records
     print(f"\n{base['gpu']}: copy {copy:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s\n")
-    print("| backend | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s | graph ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         if r["error"]:
             print(f"| {r['backend']} | {r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']} | error: "
-                  f"{r['error'][:60]} | | |")  # fmt: skip
+                  f"{r['error'][:60]} | | | |")  # fmt: skip
         else:
             print(f"| {r['backend']} | {r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']} | "
-                  f"{r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} |")  # fmt: skip
+                  f"{r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} | {r['graph_ms'] or '-'} |")  # fmt: skip
     return records
 
 

@@ -158,6 +158,7 @@ def test_tma_tiles(nan_empty, monkeypatch, kv_dtype, splits):
     want_out, want_lse = mla_decode_ref(**args)
     calls = []
     monkeypatch.setattr(decode, "_tma_descriptors", lambda *a, f=decode._tma_descriptors: calls.append(a) or f(*a))
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
     for tma in (False, True):
         for key in decode.SCHEDULES:
             monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, 0.0, tma=tma))
@@ -165,6 +166,23 @@ def test_tma_tiles(nan_empty, monkeypatch, kv_dtype, splits):
         assert len(calls) == tma  # the descriptors are made (the TMA path taken) exactly when the schedule asks
         assert_rel_close(f"out tma={tma}", out, want_out.float(), TOL[torch.float16])
         assert_rel_close(f"lse tma={tma}", lse, want_lse, 1e-5)
+
+
+@pytest.mark.parametrize("min_work", [7 * 8 * 128, 7 * 8 * 128 + 1])
+def test_tma_only_for_large_launches(nan_empty, monkeypatch, min_work):
+    # T * H * max_kv = 7 * 8 * 128 here (block-table rows of 4 pages of 32 keys): a launch below TMA_MIN_WORK
+    # gathers its tiles even where the schedule asks for TMA, and gives the same result.
+    args, _ = make_case([80, 7, 96], [1, 2, 4], H=8, page_size=32, dtype=torch.float16, seed=17)
+    calls = []
+    monkeypatch.setattr(decode, "_tma_descriptors", lambda *a, f=decode._tma_descriptors: calls.append(a) or f(*a))
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", min_work)
+    for key in decode.SCHEDULES:
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, 0.0, tma=True))
+    out, lse = mla_decode_triton(**args)
+    assert len(calls) == (min_work == 7 * 8 * 128)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out, want_out.float(), TOL[torch.float16])
+    assert_rel_close("lse", lse, want_lse, 1e-5)
 
 
 def test_tma_needs_tiles_inside_pages():
@@ -245,9 +263,21 @@ def test_bench_smoke(tmp_path):
     bench_mla.main(["--smoke", "--out", str(tmp_path)])
     rows = [json.loads(line) for line in (tmp_path / "mla_decode.jsonl").read_text().splitlines()]
     assert rows and all(r.get("error") is None for r in rows), rows
-    assert {"gpu", "date", "commit", "b", "h", "s_q", "s_k", "kv_dtype", "backend", "ms", "tbps", "tflops"} <= set(
-        rows[0]
-    )
+    assert {
+        "gpu",
+        "date",
+        "commit",
+        "b",
+        "h",
+        "s_q",
+        "s_k",
+        "kv_dtype",
+        "backend",
+        "ms",
+        "tbps",
+        "tflops",
+        "graph_ms",
+    } <= set(rows[0])
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -306,6 +336,7 @@ def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
 def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)  # these launches are small: TMA by the schedule alone
     for key, sched in decode.SCHEDULES.items():  # TMA tiles must lie inside the 64-key pages
         monkeypatch.setitem(decode.SCHEDULES, key, sched._replace(block_n=min(sched.block_n, 64), tma=tma))
     gen = torch.Generator().manual_seed(H + s_q)

@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kimi_helix.kernels.device import num_sms
 
-__all__ = ["SCHEDULES", "SUPPORTED", "Schedule", "mla_decode_triton"]
+__all__ = ["SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -274,7 +274,8 @@ MIN_WAVES = 4
 class Schedule(NamedTuple):
     """How one tile class runs: keys per tile, warps, pipeline stages, the lazy-rescale slack (log2 units; 0
     rescales the accumulator whenever a row max grows), the programs per SM its split count aims for, the fewest
-    tiles a split keeps, and whether whole tiles are copied by TMA (where the cache allows: see `_tma_ok`)."""
+    tiles a split keeps, and whether whole tiles are copied by TMA (where the cache allows, see `_tma_ok`, and the
+    launch is large enough, see `TMA_MIN_WORK`)."""
 
     block_n: int
     num_warps: int
@@ -309,6 +310,13 @@ SCHEDULES = {
     (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
+
+# TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
+# launch spends more host time (two descriptors encoded per call; run 14 on the H200's host: 45-140 us more than a
+# gathered launch) while saving little GPU time on small launches (CUDA-graph replays, run 14: at most 25 us below
+# 2^24, 3-28% of the GPU time above it). Without CUDA graphs a small launch is bound by the host, so below this
+# size the gathered kernel finishes first.
+TMA_MIN_WORK = 1 << 24
 
 
 def _num_kv_splits(
@@ -462,12 +470,13 @@ def mla_decode_triton(
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
     cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size())
-    use_tma = sched.tma and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
+    max_kv = block_table.shape[1] * page_size
+    use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
     kv_c_desc, kv_pe_desc = _tma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"]) if use_tma else (None, None)
     num_head_blocks = -(-H // cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
-        slots * num_head_blocks, block_table.shape[1] * page_size, cfg["BLOCK_N"], num_sms(q.device.index),
+        slots * num_head_blocks, max_kv, cfg["BLOCK_N"], num_sms(q.device.index),
         sched.min_waves, sched.min_split_tiles,
     )  # fmt: skip
     if splits > 1:
