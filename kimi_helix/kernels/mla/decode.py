@@ -312,10 +312,10 @@ SCHEDULES = {
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
 
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
-# launch spends more host time (two descriptors encoded per call; run 14 on the H200's host: 45-140 us more than a
+# launch spends more host time (two descriptors encoded per call; run 14 on the H200's host: 40-150 us more than a
 # gathered launch) while saving little GPU time on small launches (CUDA-graph replays, run 14: at most 25 us below
-# 2^24, 3-28% of the GPU time above it). Without CUDA graphs a small launch is bound by the host, so below this
-# size the gathered kernel finishes first.
+# 2^24, up to 29% of the GPU time above it, one case 2% slower). Without CUDA graphs a small launch is bound by
+# the host, so below this size the gathered kernel finishes first.
 TMA_MIN_WORK = 1 << 24
 
 
