@@ -13,8 +13,7 @@ else ``kda_chunk_intra_blocks_kernel`` (chunk_intra_blocks.py), exact for any ga
 block. Each intra kernel returns at once on the chunks routed elsewhere.
 
 ``(I + A_kk)^-1`` comes from the 16x16 diagonal blocks, inverted as products of powers, and block products below
-them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads. Every intra kernel then stores its
-chunk's decayed q and k (``store_decayed``) for the WY kernel and the state pass.
+them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads.
 """
 
 from __future__ import annotations
@@ -45,39 +44,6 @@ def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.con
     small."""
     return (q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, G + t0 * (H * K) + i_h * K, beta + t0 * H + i_h,
             Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h)  # fmt: skip
-
-
-@triton.jit
-def store_decayed(q, k, G, beta, rnorm, kb, kg, qg, t0, i_h, T, scale, H: tl.constexpr, K: tl.constexpr,
-                  BT: tl.constexpr, BS: tl.constexpr, L2NORM: tl.constexpr):  # fmt: skip
-    """The decayed q and k of one chunk that the later stages read, in column slices of BS (q, k, G, beta and
-    rnorm at the chunk, the outputs at token 0 and head 0)::
-
-        qg = scale exp2(G) q        kb = beta exp2(G) k        kg = exp2(G_last - G) k
-
-    with q, k L2-normalised by the norms this program stored in rnorm. Each intra kernel ends with this, while
-    its chunk's q, k and G are still in L2, so the WY kernel reads kb alone instead of q, k and G from memory.
-    Each output is rounded once, from fp32, as the WY kernel did before it moved here."""
-    tl.debug_barrier()  # rnorm was stored by other threads of this program
-    HK = H * K
-    kb += t0 * HK + i_h * K
-    kg += t0 * HK + i_h * K
-    qg += t0 * HK + i_h * K
-    o_t = tl.arange(0, BT)
-    m_t = o_t < T
-    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    rq = tl.full([BT], 1.0, tl.float32)
-    rk = tl.full([BT], 1.0, tl.float32)
-    if L2NORM:
-        rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=1.0)
-        rk = tl.load(rnorm + o_t * (2 * H) + 1, mask=m_t, other=1.0)
-    for c in range(0, K, BS):
-        b_g = _tile(G, 0, c, T, K, HK, BT, BS)
-        b_eg = tl.exp2(b_g)
-        b_k = _tile(k, 0, c, T, K, HK, BT, BS) * rk[:, None]
-        _store_tile(qg, _tile(q, 0, c, T, K, HK, BT, BS) * (rq * scale)[:, None] * b_eg, 0, c, T, K, HK, BT, BS)
-        _store_tile(kg, b_k * tl.exp2(_row(G, T - 1, c, HK, K, BS)[None, :] - b_g), 0, c, T, K, HK, BT, BS)
-        _store_tile(kb, b_k * b_eg * b_b[:, None], 0, c, T, K, HK, BT, BS)
 
 
 @triton.jit
@@ -295,9 +261,6 @@ def kda_chunk_intra_kernel(
     Aqk,
     Ai,
     rnorm,
-    kb,
-    kg,
-    qg,
     route,
     cu_seqlens,
     chunk_indices,
@@ -311,8 +274,7 @@ def kda_chunk_intra_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
-    q and k and beta applied to the dot results, then the decayed q and k (store_decayed); for the chunks routed
-    here (ROUTE_WIDE)."""
+    q and k and beta applied to the dot results; for the chunks routed here (ROUTE_WIDE)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
         return
@@ -353,4 +315,3 @@ def kda_chunk_intra_kernel(
     tl.store(Aqk + offs, A_qk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
     tl.store(Ai + offs, A_kk, mask=m_t[:, None])
     invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
-    store_decayed(q, k, G, beta, rnorm, kb, kg, qg, t0, i_h, T, scale, H, K, BT, BKS, L2NORM)

@@ -24,7 +24,6 @@ from kimi_helix.kernels.kda.chunk_intra import (
     _store_tile,
     _tile,
     _unit_lower_inverse,
-    store_decayed,
 )
 
 
@@ -122,7 +121,7 @@ def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, scale, H: 
 
 @triton.jit
 def _norm_beta(sq, sk, beta, rnorm, r0, T, H: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr):
-    """1/|q|, 1/|k| (stored to rnorm for store_decayed; ones without the L2 norm) and beta of the row block at
+    """1/|q|, 1/|k| (stored to rnorm for the WY kernel; ones without the L2 norm) and beta of the row block at
     r0."""
     rows = r0 + tl.arange(0, BC)
     m = rows < T
@@ -145,9 +144,6 @@ def kda_chunk_intra_blocks_kernel(
     Aqk,
     Ai,
     rnorm,
-    kb,
-    kg,
-    qg,
     route,
     cu_seqlens,
     chunk_indices,
@@ -182,24 +178,24 @@ def kda_chunk_intra_blocks_kernel(
         sk0 += tl.sum(k0 * k0, axis=1)
         if BT > BC:
             q1, k1, g1 = _slice(q, k, G, r1, c, T, H, K, BC, BKS)
-            qd, kd, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
-            A10q, A10k = _pair(qd, kd, gn, k0, g0, A10q, A10k, DOT_PREC)
+            qg, kg, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
+            A10q, A10k = _pair(qg, kg, gn, k0, g0, A10q, A10k, DOT_PREC)
             D1q, D1k, sp1 = _diag(q1, k1, g1, G, r1, c, T, D1q, D1k, sp1, H, K, BC, BKS, DOT_PREC)
             sq1 += tl.sum(q1 * q1, axis=1)
             sk1 += tl.sum(k1 * k1, axis=1)
         if BT > 2 * BC:
             q2, k2, g2 = _slice(q, k, G, r2, c, T, H, K, BC, BKS)
-            qd, kd, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
-            A20q, A20k = _pair(qd, kd, gn, k0, g0, A20q, A20k, DOT_PREC)
-            A21q, A21k = _pair(qd, kd, gn, k1, g1, A21q, A21k, DOT_PREC)
+            qg, kg, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
+            A20q, A20k = _pair(qg, kg, gn, k0, g0, A20q, A20k, DOT_PREC)
+            A21q, A21k = _pair(qg, kg, gn, k1, g1, A21q, A21k, DOT_PREC)
             D2q, D2k, sp2 = _diag(q2, k2, g2, G, r2, c, T, D2q, D2k, sp2, H, K, BC, BKS, DOT_PREC)
             sq2 += tl.sum(q2 * q2, axis=1)
             sk2 += tl.sum(k2 * k2, axis=1)
             q3, k3, g3 = _slice(q, k, G, r3, c, T, H, K, BC, BKS)
-            qd, kd, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
-            A30q, A30k = _pair(qd, kd, gn, k0, g0, A30q, A30k, DOT_PREC)
-            A31q, A31k = _pair(qd, kd, gn, k1, g1, A31q, A31k, DOT_PREC)
-            A32q, A32k = _pair(qd, kd, gn, k2, g2, A32q, A32k, DOT_PREC)
+            qg, kg, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
+            A30q, A30k = _pair(qg, kg, gn, k0, g0, A30q, A30k, DOT_PREC)
+            A31q, A31k = _pair(qg, kg, gn, k1, g1, A31q, A31k, DOT_PREC)
+            A32q, A32k = _pair(qg, kg, gn, k2, g2, A32q, A32k, DOT_PREC)
             D3q, D3k, sp3 = _diag(q3, k3, g3, G, r3, c, T, D3q, D3k, sp3, H, K, BC, BKS, DOT_PREC)
             sq3 += tl.sum(q3 * q3, axis=1)
             sk3 += tl.sum(k3 * k3, axis=1)
@@ -234,4 +230,3 @@ def kda_chunk_intra_blocks_kernel(
         _store_tile(Ai, Ai32, r3, r2, T, BT, S, BC, BC)
         _store_tile(Ai, Ai31, r3, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai30, r3, 0, T, BT, S, BC, BC)
-    store_decayed(q, k, G, beta, rnorm, kb, kg, qg, t0, i_h, T, scale, H, K, BT, BKS, L2NORM)

@@ -20,7 +20,6 @@ from kimi_helix.kernels.kda.chunk_intra import (
     _row,
     _store_tile,
     invert_in_place,
-    store_decayed,
 )
 from kimi_helix.kernels.kda.chunk_intra_blocks import _norm_beta, _slice
 
@@ -42,9 +41,6 @@ def kda_chunk_intra_halves_kernel(
     Aqk,
     Ai,
     rnorm,
-    kb,
-    kg,
-    qg,
     route,
     cu_seqlens,
     chunk_indices,
@@ -111,4 +107,3 @@ def kda_chunk_intra_halves_kernel(
     A11k = tl.where(below, A11k * (rk1 * b1)[:, None] * rk1[None, :], 0.0)
     _store_tile(Ai, A11k, HALF, HALF, T, BT, S, HALF, HALF)
     invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
-    store_decayed(q, k, G, beta, rnorm, kb, kg, qg, t0, i_h, T, scale, H, K, BT, BKS, L2NORM)
