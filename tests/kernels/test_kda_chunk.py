@@ -239,11 +239,12 @@ def routes_seen(monkeypatch):
     from kimi_helix.kernels.kda import chunk
 
     blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
+    at = blocks.arg_names.index("route")
 
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append(args[7].clone())
+                seen.append(args[at].clone())
                 return blocks[grid](*args, **kw)
 
             return launch

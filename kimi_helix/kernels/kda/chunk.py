@@ -6,9 +6,10 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
 1. ``kda_chunk_gate_kernel``: optional gate activation, in-chunk cumulative log-decay ``G`` (fp32, log2 units),
    and each chunk's route to one of the intra kernels, by the decay spread their factorisations would meet;
 2. ``kda_chunk_intra_kernel`` (chunk-wide factorisation of the decays) and, when enabled,
-   ``kda_chunk_intra_halves_kernel`` (a pivot per half chunk): per chunk, ``A_qk`` and ``(I + A_kk)^-1``;
+   ``kda_chunk_intra_halves_kernel`` (a pivot per half chunk): per chunk, ``A_qk``, ``(I + A_kk)^-1``, the L2
+   norms' row factors and the decayed q and k;
 3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks routed to neither;
-4. ``kda_chunk_wy_kernel``: per chunk, ``w``, ``u`` and the decayed k, q;
+4. ``kda_chunk_wy_kernel``: per chunk, ``w`` and ``u``;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o``.
 
 Without ``STATE["output"]`` the state pass stores the per-chunk states and ``v_new`` instead, and a sixth,
@@ -205,12 +206,12 @@ def chunk_kda(
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-    w, kg, qg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(3))
+    w, qg, kd, kg = (torch.empty(B, T, H, K, dtype=q.dtype, device=q.device) for _ in range(4))
     u, o = (torch.empty(B, T, H, V, dtype=q.dtype, device=q.device) for _ in range(2))
     Aqk = torch.empty(B, T, H, chunk_size, dtype=q.dtype, device=q.device)
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
     route = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # the intra kernel of each chunk and head
-    rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # 1/|q|, 1/|k| for the WY kernel
+    rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # scale/|q|, 1/|k|; scale, 1 without the norm
     fuse_output = STATE["output"]
     # without the output kernel, the per-chunk states and v_new never leave the state pass: o stands in for both
     h = o if fuse_output else torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
@@ -232,7 +233,7 @@ def chunk_kda(
             LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
-        args = (q, k, G, beta, Aqk, Ai, rnorm, route, cu, chunk_indices, scale)
+        args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
         wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"],
                     maxnreg=intra["maxnreg"])  # fmt: skip
         if intra["wide"]:
@@ -246,13 +247,13 @@ def chunk_kda(
         BS = _fit(WY["BS"], max(K, V))
         slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
-            q, k, v, G, beta, Ai, rnorm, w, u, kg, qg, cu, chunk_indices, scale,
-            H=H, K=K, V=V, BT=chunk_size, BS=BS, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec,
+            kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
+            H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PREC=dot_prec,
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
         )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
-        w, u, kg, G, qg, Aqk, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
+        w, u, kg, G, qg, Aqk, rnorm, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
         USE_STATE_INDICES=state_indices is not None, FUSE_OUTPUT=fuse_output, DOT_PREC=dot_prec,
@@ -261,7 +262,7 @@ def chunk_kda(
     if NT and not fuse_output:
         BVo = _fit(OUTPUT["BV"], V)
         kda_chunk_output_kernel[(triton.cdiv(V, BVo), NT, H)](
-            qg, h, Aqk, v_new, o, cu, chunk_indices,
+            qg, h, Aqk, rnorm, v_new, o, cu, chunk_indices,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=OUTPUT["num_warps"],
             num_stages=OUTPUT["num_stages"],
         )  # fmt: skip

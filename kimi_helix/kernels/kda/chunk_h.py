@@ -1,11 +1,16 @@
 """Inter-chunk state recurrence of the Triton KDA prefill: the only sequential stage.
 
 One program per (sequence, head, block of BV value columns) walks the chunks of its sequence carrying the state
-``S [K, BV]`` in fp32 registers. Per chunk, with w, u, kg, qg from the WY kernel and Aqk from the intra kernels::
+``S [K, BV]`` in fp32 registers. Per chunk, with w, u from the WY kernel, and qg, kg, Aqk and the row factors
+rq = scale/|q| (in rnorm) from the intra kernels::
 
     v_new = u - w S
-    o     = qg S + Aqk v_new                     (FUSE_OUTPUT; else S and v_new are stored for the output kernel)
+    o     = rq * (qg S) + Aqk v_new            (FUSE_OUTPUT; else S and v_new are stored for the output kernel)
     S     = exp(G_last) * S + kg^T v_new        (kg = exp(G_last - G) * k)
+
+q and k are not L2-normalised in qg and kg: rq multiplies the fp32 dot result, and 1/|k| is in u and w, so in
+v_new, and left out of Aqk's columns (chunk_wy.py). v_new is therefore the true one times 1/|k|, also as stored
+for the output kernel.
 
 With FUSE_OUTPUT the output comes out of this pass, so neither the per-chunk states (K V values a chunk) nor
 v_new go through memory; the extra loads (qg, Aqk) do not depend on the carried state, so they overlap it.
@@ -27,6 +32,7 @@ def kda_chunk_state_kernel(
     G,
     qg,
     Aqk,
+    rnorm,
     o,
     h,
     v_new,
@@ -59,6 +65,7 @@ def kda_chunk_state_kernel(
     v_new += bos * (H * V) + i_h * V
     qg += bos * (H * K) + i_h * K
     Aqk += bos * (H * BT) + i_h * BT
+    rnorm += bos * (2 * H) + 2 * i_h
     o += bos * (H * V) + i_h * V
 
     o_t = tl.arange(0, BT)
@@ -91,7 +98,8 @@ def kda_chunk_state_kernel(
         b_vc = b_v.to(b_w.dtype)  # v_new, likewise
         if FUSE_OUTPUT:
             b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            b_o = tl.dot(b_qg, b_Sc, input_precision=DOT_PREC)
+            b_rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=0.0)
+            b_o = tl.dot(b_qg, b_Sc, input_precision=DOT_PREC) * b_rq[:, None]
             # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
             m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
             b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
@@ -113,6 +121,7 @@ def kda_chunk_state_kernel(
         v_new += BT * H * V
         qg += BT * H * K
         Aqk += BT * H * BT
+        rnorm += BT * 2 * H
         o += BT * H * V
 
     if STORE_FINAL_STATE:

@@ -13,7 +13,10 @@ else ``kda_chunk_intra_blocks_kernel`` (chunk_intra_blocks.py), exact for any ga
 block. Each intra kernel returns at once on the chunks routed elsewhere.
 
 ``(I + A_kk)^-1`` comes from the 16x16 diagonal blocks, inverted as products of powers, and block products below
-them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads.
+them, in place in an fp32 scratch that the WY kernel (chunk_wy.py) reads. From the q, k and G tiles they load anyway,
+the intra kernels also store q and k decayed from the chunk start and k decayed to its end (``store_decayed``),
+before the L2 norms: their row factors go to ``rnorm`` and are applied downstream, to fp32 dot results or to the
+inverse, so no stored value is rounded twice.
 """
 
 from __future__ import annotations
@@ -44,6 +47,29 @@ def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.con
     small."""
     return (q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, G + t0 * (H * K) + i_h * K, beta + t0 * H + i_h,
             Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h)  # fmt: skip
+
+
+@triton.jit
+def _at_chunk_decayed(qg, kd, kg, t0, i_h, H: tl.constexpr, K: tl.constexpr):
+    """store_decayed's output pointers moved to token t0 and head i_h."""
+    return qg + t0 * (H * K) + i_h * K, kd + t0 * (H * K) + i_h * K, kg + t0 * (H * K) + i_h * K
+
+
+@triton.jit
+def store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, r0, c, T, K: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+                  H: tl.constexpr):  # fmt: skip
+    """Rows r0 .. r0+BR, columns c .. c+BS of a chunk's decayed q and k, from fp32 tiles of q, k and G that a
+    kernel has loaded (b_last: G's last row in the chunk, [BS])::
+
+        qg = exp2(G) q        kd = exp2(G) k        kg = exp2(G_last - G) k
+
+    without the L2 norms. Stored here, from registers, the WY kernel reads kd alone (fla's split) where it read q,
+    k and the fp32 G to make all three (run 12: WY 415 -> 179 us at T=8192, H=64 on an H200; stored by a second
+    pass over the chunk instead, the intra kernels lost more than that, run 15)."""
+    b_eg = tl.exp2(b_g)
+    _store_tile(qg, b_q * b_eg, r0, c, T, K, H * K, BR, BS)
+    _store_tile(kd, b_k * b_eg, r0, c, T, K, H * K, BR, BS)
+    _store_tile(kg, b_k * tl.exp2(b_last[None, :] - b_g), r0, c, T, K, H * K, BR, BS)
 
 
 @triton.jit
@@ -140,6 +166,23 @@ def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
                          tl.maximum(tl.abs(b_G - c1), b_G - g_h[None, :]))  # fmt: skip
             halves = tl.max(tl.where(valid, d, 0.0))
     return wide, halves
+
+
+@triton.jit
+def row_factors(sq, sk, beta, rnorm, r0, T, scale, H: tl.constexpr, BR: tl.constexpr, L2NORM: tl.constexpr):
+    """(scale/|q|, 1/|k|, beta) of rows r0 .. r0+BR of a chunk, from the rows' sums of squares (1/|.| = 1 without
+    L2NORM); the first two are also stored to rnorm [T, H, 2] for the WY kernel and the state pass."""
+    rows = r0 + tl.arange(0, BR)
+    m = rows < T
+    b_b = tl.load(beta + rows * H, mask=m, other=0.0).to(tl.float32)
+    rq = tl.full([BR], 1.0, tl.float32) * scale
+    rk = tl.full([BR], 1.0, tl.float32)
+    if L2NORM:
+        rq = (1.0 / tl.sqrt(sq + 1e-6)) * scale
+        rk = 1.0 / tl.sqrt(sk + 1e-6)
+    tl.store(rnorm + rows * (2 * H), rq, mask=m)
+    tl.store(rnorm + rows * (2 * H) + 1, rk, mask=m)
+    return rq, rk, b_b
 
 
 @triton.jit
@@ -261,6 +304,9 @@ def kda_chunk_intra_kernel(
     Aqk,
     Ai,
     rnorm,
+    qg,
+    kd,
+    kg,
     route,
     cu_seqlens,
     chunk_indices,
@@ -273,13 +319,15 @@ def kda_chunk_intra_kernel(
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """A_qk and (I + A_kk)^-1 of one chunk and head, factored around the chunk's mid decay, with the L2 norms of
-    q and k and beta applied to the dot results; for the chunks routed here (ROUTE_WIDE)."""
+    """A_qk (without its 1/|k_j| column factor) and (I + A_kk)^-1 of one chunk and head, factored around the
+    chunk's mid decay, with the norms and beta applied to the dot results; the decayed q and k; for the chunks
+    routed here (ROUTE_WIDE)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
         return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
+    qg, kd, kg = _at_chunk_decayed(qg, kd, kg, t0, i_h, H, K)
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)
@@ -292,25 +340,20 @@ def kda_chunk_intra_kernel(
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
         b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
+        b_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
-        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, T - 1, c, HK, K, BKS)))[None, :]
+        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + b_last))[None, :]
         # entries above the diagonal may overflow here; `where` discards them below
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
         kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
         A_qk = tl.dot(b_q * e, kt, A_qk, input_precision=DOT_PREC)
         A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
+        store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, 0, c, T, K, BT, BKS, H)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
-    rq = tl.full([BT], 1.0, tl.float32)
-    rk = tl.full([BT], 1.0, tl.float32)
-    if L2NORM:
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-        tl.store(rnorm + o_t * (2 * H), rq, mask=m_t)
-        tl.store(rnorm + o_t * (2 * H) + 1, rk, mask=m_t)
-    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    rq, rk, b_b = row_factors(sq, sk, beta, rnorm, 0, T, scale, H, BT, L2NORM)
     offs = o_t[:, None] * S + o_t[None, :]
-    A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
+    A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * rq[:, None], 0.0)
     A_kk = tl.where(o_t[:, None] > o_t[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
     tl.store(Aqk + offs, A_qk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
     tl.store(Ai + offs, A_kk, mask=m_t[:, None])

@@ -16,6 +16,7 @@ from kimi_helix.kernels.kda.chunk_intra import (
     MAX_SPREAD,
     ROUTE_BLOCKS,
     _at_chunk,
+    _at_chunk_decayed,
     _chunk_span,
     _merge_row1,
     _merge_row2,
@@ -24,6 +25,8 @@ from kimi_helix.kernels.kda.chunk_intra import (
     _store_tile,
     _tile,
     _unit_lower_inverse,
+    row_factors,
+    store_decayed,
 )
 
 
@@ -52,11 +55,11 @@ def _diag_exact(q, k, G, r0, m, T, H: tl.constexpr, K: tl.constexpr, BC: tl.cons
 
 
 @triton.jit
-def _scale_diag(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, scale, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Scales and masks a diagonal block's unscaled dots: stores A_qk (lower, diagonal included), returns
-    beta * A_kk (strictly lower)."""
+def _scale_diag(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Scales and masks a diagonal block's unscaled dots (rq includes the scale): stores A_qk (lower, diagonal
+    included, without its column factor), returns beta * A_kk (strictly lower)."""
     o_c = tl.arange(0, BC)
-    A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * (rq * scale)[:, None] * rk[None, :], 0.0)
+    A_qk = tl.where(o_c[:, None] >= o_c[None, :], A_qk * rq[:, None], 0.0)
     _store_tile(Aqk, A_qk, r0, r0, T, BT, H * BT, BC, BC)
     return tl.where(o_c[:, None] > o_c[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
 
@@ -102,37 +105,22 @@ def _diag(b_q, b_k, b_g, G, r0, c, T, D_qk, D_kk, spread, H: tl.constexpr, K: tl
 
 
 @triton.jit
-def _finish_diag(q, k, G, Aqk, D_qk, D_kk, spread, r0, rq, rk, b_b, T, scale, H: tl.constexpr, K: tl.constexpr,
+def _finish_diag(q, k, G, Aqk, D_qk, D_kk, spread, r0, rq, rk, b_b, T, H: tl.constexpr, K: tl.constexpr,
                  BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):  # fmt: skip
     """Stores the diagonal block's A_qk; returns (I + beta A_kk)^-1 of the block."""
     m = (r0 + tl.arange(0, BC)) < T
     if spread > MAX_SPREAD:
         D_kk, D_qk = _diag_exact(q, k, G, r0, m, T, H, K, BC, BKS)
-    return _unit_lower_inverse(_scale_diag(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, scale, H, BT, BC), BC)
+    return _unit_lower_inverse(_scale_diag(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, H, BT, BC), BC)
 
 
 @triton.jit
-def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, scale, H: tl.constexpr, BT: tl.constexpr,
+def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, H: tl.constexpr, BT: tl.constexpr,
                  BC: tl.constexpr):  # fmt: skip
-    """Stores block pair (i, j)'s A_qk; returns its beta-scaled A_kk."""
-    _store_tile(Aqk, A_qk * (rq_i * scale)[:, None] * rk_j[None, :], ri0, rj0, T, BT, H * BT, BC, BC)
+    """Stores block pair (i, j)'s A_qk (rq_i includes the scale; no column factor); returns its beta-scaled
+    A_kk."""
+    _store_tile(Aqk, A_qk * rq_i[:, None], ri0, rj0, T, BT, H * BT, BC, BC)
     return A_kk * (rk_i * b_i)[:, None] * rk_j[None, :]
-
-
-@triton.jit
-def _norm_beta(sq, sk, beta, rnorm, r0, T, H: tl.constexpr, BC: tl.constexpr, L2NORM: tl.constexpr):
-    """1/|q|, 1/|k| (stored to rnorm for the WY kernel; ones without the L2 norm) and beta of the row block at
-    r0."""
-    rows = r0 + tl.arange(0, BC)
-    m = rows < T
-    b_b = tl.load(beta + rows * H, mask=m, other=0.0).to(tl.float32)
-    if L2NORM:
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-        tl.store(rnorm + rows * (2 * H), rq, mask=m)
-        tl.store(rnorm + rows * (2 * H) + 1, rk, mask=m)
-        return rq, rk, b_b
-    return tl.full([BC], 1.0, tl.float32), tl.full([BC], 1.0, tl.float32), b_b
 
 
 @triton.jit
@@ -144,6 +132,9 @@ def kda_chunk_intra_blocks_kernel(
     Aqk,
     Ai,
     rnorm,
+    qg,
+    kd,
+    kg,
     route,
     cu_seqlens,
     chunk_indices,
@@ -163,6 +154,7 @@ def kda_chunk_intra_blocks_kernel(
         return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
+    qg, kd, kg = _at_chunk_decayed(qg, kd, kg, t0, i_h, H, K)
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
     Z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -172,59 +164,64 @@ def kda_chunk_intra_blocks_kernel(
     sq0, sk0, sq1, sk1, sq2, sk2, sq3, sk3 = z, z, z, z, z, z, z, z
     sp0, sp1, sp2, sp3 = 0.0, 0.0, 0.0, 0.0
     for c in range(0, K, BKS):
+        b_last = _row(G, T - 1, c, H * K, K, BKS)
         q0, k0, g0 = _slice(q, k, G, 0, c, T, H, K, BC, BKS)
+        store_decayed(q0, k0, g0, b_last, qg, kd, kg, 0, c, T, K, BC, BKS, H)
         D0q, D0k, sp0 = _diag(q0, k0, g0, G, 0, c, T, D0q, D0k, sp0, H, K, BC, BKS, DOT_PREC)
         sq0 += tl.sum(q0 * q0, axis=1)
         sk0 += tl.sum(k0 * k0, axis=1)
         if BT > BC:
             q1, k1, g1 = _slice(q, k, G, r1, c, T, H, K, BC, BKS)
-            qg, kg, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
-            A10q, A10k = _pair(qg, kg, gn, k0, g0, A10q, A10k, DOT_PREC)
+            store_decayed(q1, k1, g1, b_last, qg, kd, kg, r1, c, T, K, BC, BKS, H)
+            qr, kr, gn = _decayed_rows(q1, k1, g1, G, r1, c, T, H, K, BC, BKS)
+            A10q, A10k = _pair(qr, kr, gn, k0, g0, A10q, A10k, DOT_PREC)
             D1q, D1k, sp1 = _diag(q1, k1, g1, G, r1, c, T, D1q, D1k, sp1, H, K, BC, BKS, DOT_PREC)
             sq1 += tl.sum(q1 * q1, axis=1)
             sk1 += tl.sum(k1 * k1, axis=1)
         if BT > 2 * BC:
             q2, k2, g2 = _slice(q, k, G, r2, c, T, H, K, BC, BKS)
-            qg, kg, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
-            A20q, A20k = _pair(qg, kg, gn, k0, g0, A20q, A20k, DOT_PREC)
-            A21q, A21k = _pair(qg, kg, gn, k1, g1, A21q, A21k, DOT_PREC)
+            store_decayed(q2, k2, g2, b_last, qg, kd, kg, r2, c, T, K, BC, BKS, H)
+            qr, kr, gn = _decayed_rows(q2, k2, g2, G, r2, c, T, H, K, BC, BKS)
+            A20q, A20k = _pair(qr, kr, gn, k0, g0, A20q, A20k, DOT_PREC)
+            A21q, A21k = _pair(qr, kr, gn, k1, g1, A21q, A21k, DOT_PREC)
             D2q, D2k, sp2 = _diag(q2, k2, g2, G, r2, c, T, D2q, D2k, sp2, H, K, BC, BKS, DOT_PREC)
             sq2 += tl.sum(q2 * q2, axis=1)
             sk2 += tl.sum(k2 * k2, axis=1)
             q3, k3, g3 = _slice(q, k, G, r3, c, T, H, K, BC, BKS)
-            qg, kg, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
-            A30q, A30k = _pair(qg, kg, gn, k0, g0, A30q, A30k, DOT_PREC)
-            A31q, A31k = _pair(qg, kg, gn, k1, g1, A31q, A31k, DOT_PREC)
-            A32q, A32k = _pair(qg, kg, gn, k2, g2, A32q, A32k, DOT_PREC)
+            store_decayed(q3, k3, g3, b_last, qg, kd, kg, r3, c, T, K, BC, BKS, H)
+            qr, kr, gn = _decayed_rows(q3, k3, g3, G, r3, c, T, H, K, BC, BKS)
+            A30q, A30k = _pair(qr, kr, gn, k0, g0, A30q, A30k, DOT_PREC)
+            A31q, A31k = _pair(qr, kr, gn, k1, g1, A31q, A31k, DOT_PREC)
+            A32q, A32k = _pair(qr, kr, gn, k2, g2, A32q, A32k, DOT_PREC)
             D3q, D3k, sp3 = _diag(q3, k3, g3, G, r3, c, T, D3q, D3k, sp3, H, K, BC, BKS, DOT_PREC)
             sq3 += tl.sum(q3 * q3, axis=1)
             sk3 += tl.sum(k3 * k3, axis=1)
 
-    rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, BC, L2NORM)
-    Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, scale, H, K, BT, BC, BKS)
+    rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, scale, H, BC, L2NORM)
+    Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, H, K, BT, BC, BKS)
     _store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)
     if BT > BC:
-        rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, r1, T, H, BC, L2NORM)
-        Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, scale, H, K, BT, BC, BKS)
-        A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, scale, H, BT, BC)
+        rq1, rk1, b1 = row_factors(sq1, sk1, beta, rnorm, r1, T, scale, H, BC, L2NORM)
+        Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, H, K, BT, BC, BKS)
+        A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, H, BT, BC)
         Ai10 = _merge_row1(Ai00, Ai11, A10, DOT_PREC)
         _store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
-        rq2, rk2, b2 = _norm_beta(sq2, sk2, beta, rnorm, r2, T, H, BC, L2NORM)
-        Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, scale, H, K, BT, BC, BKS)
-        A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, scale, H, BT, BC)
-        A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, scale, H, BT, BC)
+        rq2, rk2, b2 = row_factors(sq2, sk2, beta, rnorm, r2, T, scale, H, BC, L2NORM)
+        Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, H, K, BT, BC, BKS)
+        A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, H, BT, BC)
+        A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, H, BT, BC)
         Ai20, Ai21 = _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC)
         _store_tile(Ai, Ai22, r2, r2, T, BT, S, BC, BC)
         _store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
         _store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
 
-        rq3, rk3, b3 = _norm_beta(sq3, sk3, beta, rnorm, r3, T, H, BC, L2NORM)
-        Ai33 = _finish_diag(q, k, G, Aqk, D3q, D3k, sp3, r3, rq3, rk3, b3, T, scale, H, K, BT, BC, BKS)
-        A30 = _finish_pair(Aqk, A30q, A30k, r3, 0, rq3, rk3, b3, rk0, T, scale, H, BT, BC)
-        A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, scale, H, BT, BC)
-        A32 = _finish_pair(Aqk, A32q, A32k, r3, r2, rq3, rk3, b3, rk2, T, scale, H, BT, BC)
+        rq3, rk3, b3 = row_factors(sq3, sk3, beta, rnorm, r3, T, scale, H, BC, L2NORM)
+        Ai33 = _finish_diag(q, k, G, Aqk, D3q, D3k, sp3, r3, rq3, rk3, b3, T, H, K, BT, BC, BKS)
+        A30 = _finish_pair(Aqk, A30q, A30k, r3, 0, rq3, rk3, b3, rk0, T, H, BT, BC)
+        A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, H, BT, BC)
+        A32 = _finish_pair(Aqk, A32q, A32k, r3, r2, rq3, rk3, b3, rk2, T, H, BT, BC)
         Ai30, Ai31, Ai32 = _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC)
         _store_tile(Ai, Ai33, r3, r3, T, BT, S, BC, BC)
         _store_tile(Ai, Ai32, r3, r2, T, BT, S, BC, BC)

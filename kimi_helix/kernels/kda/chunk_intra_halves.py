@@ -16,12 +16,15 @@ import triton.language as tl
 from kimi_helix.kernels.kda.chunk_intra import (
     ROUTE_HALVES,
     _at_chunk,
+    _at_chunk_decayed,
     _chunk_span,
     _row,
     _store_tile,
     invert_in_place,
+    row_factors,
+    store_decayed,
 )
-from kimi_helix.kernels.kda.chunk_intra_blocks import _norm_beta, _slice
+from kimi_helix.kernels.kda.chunk_intra_blocks import _slice
 
 
 @triton.jit
@@ -41,6 +44,9 @@ def kda_chunk_intra_halves_kernel(
     Aqk,
     Ai,
     rnorm,
+    qg,
+    kd,
+    kg,
     route,
     cu_seqlens,
     chunk_indices,
@@ -53,12 +59,14 @@ def kda_chunk_intra_halves_kernel(
     L2NORM: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """A_qk and (I + A_kk)^-1 of one chunk and head (BT >= 32), for the chunks routed here (ROUTE_HALVES)."""
+    """A_qk (without its 1/|k_j| column factor), (I + A_kk)^-1 and the decayed q and k of one chunk and head
+    (BT >= 32), for the chunks routed here (ROUTE_HALVES)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_HALVES:
         return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
+    qg, kd, kg = _at_chunk_decayed(qg, kd, kg, t0, i_h, H, K)
     HK = H * K
     HALF: tl.constexpr = BT // 2
     o_h = tl.arange(0, HALF)
@@ -72,9 +80,12 @@ def kda_chunk_intra_halves_kernel(
         q0, k0, g0 = _slice(q, k, G, 0, c, T, H, K, HALF, BKS)
         q1, k1, g1 = _slice(q, k, G, HALF, c, T, H, K, HALF, BKS)
         g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
+        b_last = _row(G, T - 1, c, HK, K, BKS)
+        store_decayed(q0, k0, g0, b_last, qg, kd, kg, 0, c, T, K, HALF, BKS, H)
+        store_decayed(q1, k1, g1, b_last, qg, kd, kg, HALF, c, T, K, HALF, BKS, H)
         # each half's pivot halfway between its first and last decay
         d0 = g0 - (0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS)))[None, :]
-        d1 = g1 - (0.5 * (g_h + _row(G, T - 1, c, HK, K, BKS)))[None, :]
+        d1 = g1 - (0.5 * (g_h + b_last))[None, :]
         # the cross block's factors exp2(g1 - g_h) and exp2(g_h - g0) exceed 1 only for a non-monotone G
         x1 = g1 - g_h[None, :]
         x0 = g_h[None, :] - g0
@@ -93,14 +104,14 @@ def kda_chunk_intra_halves_kernel(
         sk0 += tl.sum(k0 * k0, axis=1)
         sq1 += tl.sum(q1 * q1, axis=1)
         sk1 += tl.sum(k1 * k1, axis=1)
-    rq0, rk0, b0 = _norm_beta(sq0, sk0, beta, rnorm, 0, T, H, HALF, L2NORM)
-    rq1, rk1, b1 = _norm_beta(sq1, sk1, beta, rnorm, HALF, T, H, HALF, L2NORM)
+    rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, scale, H, HALF, L2NORM)
+    rq1, rk1, b1 = row_factors(sq1, sk1, beta, rnorm, HALF, T, scale, H, HALF, L2NORM)
     on, below = o_h[:, None] >= o_h[None, :], o_h[:, None] > o_h[None, :]
     S = H * BT
-    A00q = tl.where(on, A00q * (rq0 * scale)[:, None] * rk0[None, :], 0.0)
-    A11q = tl.where(on, A11q * (rq1 * scale)[:, None] * rk1[None, :], 0.0)
+    A00q = tl.where(on, A00q * rq0[:, None], 0.0)
+    A11q = tl.where(on, A11q * rq1[:, None], 0.0)
     _store_tile(Aqk, A00q, 0, 0, T, BT, S, HALF, HALF)
-    _store_tile(Aqk, X10q * (rq1 * scale)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
+    _store_tile(Aqk, X10q * rq1[:, None], HALF, 0, T, BT, S, HALF, HALF)
     _store_tile(Aqk, A11q, HALF, HALF, T, BT, S, HALF, HALF)
     _store_tile(Ai, tl.where(below, A00k * (rk0 * b0)[:, None] * rk0[None, :], 0.0), 0, 0, T, BT, S, HALF, HALF)
     _store_tile(Ai, X10k * (rk1 * b1)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)

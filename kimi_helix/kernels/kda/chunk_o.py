@@ -1,7 +1,8 @@
 """Output stage of the Triton KDA prefill: every chunk in parallel, given the state at its start.
 
-``o = qg h_c + Aqk v_new`` per chunk, with ``qg = scale * exp(G) * q`` and the causal ``Aqk`` from the intra
-kernel, ``h_c`` and ``v_new`` from the state kernel.
+``o = rq * (qg h_c) + Aqk v_new`` per chunk, with ``qg = exp(G) * q``, ``rq = scale/|q|`` (in rnorm) and the causal
+``Aqk`` from the intra kernels, ``h_c`` and ``v_new`` from the state kernel (chunk_h.py says how 1/|k| is
+distributed among them).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ def kda_chunk_output_kernel(
     qg,
     h,
     Aqk,
+    rnorm,
     v_new,
     o,
     cu_seqlens,
@@ -34,6 +36,7 @@ def kda_chunk_output_kernel(
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     qg += t0 * (H * K) + i_h * K
     Aqk += t0 * (H * BT) + i_h * BT
+    rnorm += t0 * (2 * H) + 2 * i_h
     v_new += t0 * (H * V) + i_h * V
     o += t0 * (H * V) + i_h * V
     # chunks are numbered in the order of chunk_indices, which is also the order the state kernel stored h in
@@ -48,7 +51,8 @@ def kda_chunk_output_kernel(
 
     b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC)
+    b_rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=0.0)
+    b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC) * b_rq[:, None]
     # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
     b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
