@@ -110,11 +110,17 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # it leaves. With bound -5 at T=8192, H=64 (run 11, commit 2fd19c0): 1.690 ms (per-half kernel 726 us) against
 # 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best. Routed by the gate kernel (run 12,
 # commit eade97d), the per-half kernel takes 637 us.
+#
+# Since the intra kernels also store the decayed q and k (run 15, commit 6b1859d; store_decayed in chunk_intra.py),
+# the chunk-wide kernel at BKS=32 spills (368 bytes a thread capped at 128 registers, 215 registers uncapped):
+# 1.774 ms capped, 1.414 uncapped, against 1.392 at BKS=16 capped (532 us; 1.401 uncapped, 1.399 at 168). The
+# per-half kernel does best at BKS=32 (1.442 ms with the bounded gate, 723 us; 1.495 at 16), and the lighter WY
+# kernel at 4 warps (184 us against 213 at 8).
 GATE = dict(BK=128, num_warps=4)
-INTRA = dict(wide=True, halves=False, BKS=32, num_warps=4, num_stages=3, maxnreg=128)
-INTRA_BOUNDED = dict(wide=False, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=None)
+INTRA = dict(wide=True, halves=False, BKS=16, num_warps=4, num_stages=3, maxnreg=128)
+INTRA_BOUNDED = dict(wide=False, halves=True, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
 BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
-WY = dict(split=False, BS=64, num_warps=8, num_stages=3, maxnreg=None)
+WY = dict(split=False, BS=64, num_warps=4, num_stages=3, maxnreg=None)
 STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
