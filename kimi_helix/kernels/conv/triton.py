@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kimi_helix.kernels.conv.naive import check_weight
 from kimi_helix.kernels.kda.common import check_cu_seqlens, check_device, check_index, check_triton_device
+from kimi_helix.kernels.launch import cdiv, next_pow2
 
 __all__ = ["causal_conv1d_triton", "causal_conv1d_update_triton"]
 
@@ -243,7 +244,7 @@ def causal_conv1d_triton(
         seq_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
     bt, bd = (16, 32) if _interpreting() else (32, 128)
     if B * T > 0:
-        grid = (triton.cdiv(B * T, bt), triton.cdiv(D, bd))
+        grid = (cdiv(B * T, bt), cdiv(D, bd))
         causal_conv1d_fwd_kernel[grid](
             xf, weight, y, initial_state, cu_seqlens, seq_ids, state_indices, xf.stride(0), *h0_strides,
             B * T, T, D, W=W, BT=bt, BD=bd,
@@ -257,10 +258,10 @@ def causal_conv1d_triton(
         return y, None
     final = initial_state if state_indices is not None else torch.empty(N, W - 1, D, dtype=x.dtype, device=x.device)
     if W > 1:
-        causal_conv1d_final_state_kernel[(N, triton.cdiv(D, bd))](
+        causal_conv1d_final_state_kernel[(N, cdiv(D, bd))](
             xf, initial_state, final, cu_seqlens, state_indices, xf.stride(0), *h0_strides,
             final.stride(0), final.stride(1), T, D,
-            W=W, BW=triton.next_power_of_2(W - 1), BD=bd,
+            W=W, BW=next_pow2(W - 1), BD=bd,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             USE_STATE_INDICES=state_indices is not None,
@@ -304,7 +305,7 @@ def causal_conv1d_update_triton(
     if N == 0:
         return y
     bd = 32 if _interpreting() else 256
-    causal_conv1d_update_kernel[(N, triton.cdiv(D, bd))](
+    causal_conv1d_update_kernel[(N, cdiv(D, bd))](
         x, weight.contiguous(), y, conv_state, state_indices, x.stride(0), conv_state.stride(0), conv_state.stride(1),
         D, W=W, BD=bd,
         USE_STATE_INDICES=state_indices is not None,

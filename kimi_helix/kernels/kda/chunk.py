@@ -27,7 +27,6 @@ from __future__ import annotations
 from itertools import pairwise
 
 import torch
-import triton
 
 from kimi_helix.kernels.device import num_sms
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
@@ -45,6 +44,7 @@ from kimi_helix.kernels.kda.common import (
     check_triton_device,
     segment_bounds,
 )
+from kimi_helix.kernels.launch import cdiv, next_pow2
 
 __all__ = ["chunk_kda"]
 
@@ -55,8 +55,7 @@ _BC = 16  # rows per sub-block of a chunk: the smallest tl.dot tile
 def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device: torch.device):
     """(cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2] of (sequence, chunk), chunk_offsets int32 [N+1])."""
     bounds = segment_bounds(cu_seqlens, B, T)
-    # plain integer division: triton.cdiv is a constexpr function, about 7 us a host call, once per sequence here
-    counts = [-(-(e - b) // BT) for b, e in pairwise(bounds)]
+    counts = [cdiv(e - b, BT) for b, e in pairwise(bounds)]
     pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
     offsets = [0]
     for c in counts:
@@ -127,7 +126,7 @@ OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
 
 def _fit(block: int, dim: int) -> int:
     """A launch block clamped to the power-of-two span of `dim` (and to 16, the smallest tl.dot tile)."""
-    return max(16, min(block, triton.next_power_of_2(dim)))
+    return max(16, min(block, next_pow2(dim)))
 
 
 def _check_state_table() -> None:
@@ -142,7 +141,7 @@ def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
     """Value columns per program of the state pass: STATE["BV"], halved while its N * H * cdiv(V, BV) programs
     would fill at most half the SMs (the pass is sequential over chunks, so an idle SM stays idle throughout)."""
     BV = _fit(STATE["BV"], V)
-    while BV > 16 and 2 * N * H * triton.cdiv(V, BV) <= num_sms(device_index):
+    while BV > 16 and 2 * N * H * cdiv(V, BV) <= num_sms(device_index):
         BV //= 2
     return BV
 
@@ -208,7 +207,7 @@ def chunk_kda(
 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = K**-0.5 if scale is None else scale
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(16, next_pow2(K))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
 
     G = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
@@ -251,14 +250,14 @@ def chunk_kda(
             num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"], maxnreg=BLOCKS["maxnreg"],
         )  # fmt: skip
         BS = _fit(WY["BS"], max(K, V))
-        slices = triton.cdiv(K, BS) + triton.cdiv(V, BS) if WY["split"] else 1
+        slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
             kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
             H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PREC=dot_prec,
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
         )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
-    kda_chunk_state_kernel[(triton.cdiv(V, BV), N * H)](
+    kda_chunk_state_kernel[(cdiv(V, BV), N * H)](
         w, u, kg, G, qg, Aqk, rnorm, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
@@ -267,7 +266,7 @@ def chunk_kda(
     )  # fmt: skip
     if NT and not fuse_output:
         BVo = _fit(OUTPUT["BV"], V)
-        kda_chunk_output_kernel[(triton.cdiv(V, BVo), NT, H)](
+        kda_chunk_output_kernel[(cdiv(V, BVo), NT, H)](
             qg, h, Aqk, rnorm, v_new, o, cu, chunk_indices,
             H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=OUTPUT["num_warps"],
             num_stages=OUTPUT["num_stages"],

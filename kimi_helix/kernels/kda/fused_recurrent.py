@@ -24,6 +24,7 @@ from kimi_helix.kernels.kda.common import (
     check_state,
     check_triton_device,
 )
+from kimi_helix.kernels.launch import cdiv, next_pow2
 
 __all__ = ["fused_recurrent_kda"]
 
@@ -144,8 +145,8 @@ def _config(N: int, H: int, V: int) -> tuple[int, int]:
     """(BV, num_warps). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences BV drops to 16 so
     that more programs, hence more state loads, are in flight. On an H200 this reaches 3.66 TB/s of state traffic at
     N=256 (86% of a copy); `scripts/bench_kda.py --phase decode --sweep` times the alternatives."""
-    bv = min(triton.next_power_of_2(V), 32)
-    if N * H * triton.cdiv(V, bv) < 1024:
+    bv = min(next_pow2(V), 32)
+    if N * H * cdiv(V, bv) < 1024:
         bv = min(bv, 16)
     return bv, 4
 
@@ -240,12 +241,12 @@ def fused_recurrent_kda(
     elif output_final_state and not return_intermediate_states:
         final = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
     bv, num_warps = _config(N, H, V)
-    grid = (N * H * triton.cdiv(V, bv),)
+    grid = (N * H * cdiv(V, bv),)
     fused_recurrent_kda_fwd_kernel[grid](
         q_, k_, v_, g_, b_, o, initial_state, final, states, cu_seqlens, state_indices, A_log, dt_bias,
         sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh,
         K**-0.5 if scale is None else scale, 0.0 if lower_bound is None else lower_bound, T,
-        H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=bv,
+        H=H, K=K, V=V, BK=next_pow2(K), BV=bv,
         IS_VARLEN=cu_seqlens is not None,
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None,

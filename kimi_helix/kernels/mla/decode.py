@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kimi_helix.kernels.device import num_sms
+from kimi_helix.kernels.launch import cdiv, next_pow2
 
 __all__ = ["SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
@@ -347,9 +348,9 @@ def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.
     compute (a correctness path) keeps 16 rows and one stage so its 4-byte tiles fit in shared memory.
     """
     max_rows = 16 if compute_dtype == torch.float32 else 64
-    block_h = min(triton.next_power_of_2(num_heads), max_rows)
+    block_h = min(next_pow2(num_heads), max_rows)
     mean_sq = -(-num_tokens // max(num_seqs, 1))
-    block_q = min(triton.next_power_of_2(mean_sq), max(1, max_rows // block_h))
+    block_q = min(next_pow2(mean_sq), max(1, max_rows // block_h))
     block_q = max(block_q, 16 // block_h)
     sched = _FP32_SCHEDULE if max_rows == 16 else SCHEDULES[(min(kv_bytes, 2), block_q * block_h)]
     return dict(
@@ -509,7 +510,7 @@ def mla_decode_triton(
         PAGE_SIZE=page_size,
         DC=kv_lora_rank,
         DR=D - kv_lora_rank,
-        SEQS_POW2=triton.next_power_of_2(N + 1),
+        SEQS_POW2=next_pow2(N + 1),
         COMPUTE_DTYPE=_TL_DTYPE[compute],
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
         IS_FP8=kv_cache.dtype == FP8,
@@ -520,7 +521,7 @@ def mla_decode_triton(
     )
     if splits > 1:
         block_r = 16
-        mla_decode_combine_kernel[(triton.cdiv(T * H, block_r),)](
+        mla_decode_combine_kernel[(cdiv(T * H, block_r),)](
             part_out, part_lse, out, lse, T * H, splits, DC=kv_lora_rank, BLOCK_R=block_r
         )
     return out, lse

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.launch import cdiv, next_pow2
+
 __all__ = ["MoeConfig", "default_config", "fused_experts_triton"]
 
 # pairs per program of the align kernel (its rank step is quadratic in this), and per histogram step
@@ -329,22 +331,22 @@ def fused_experts_triton(
     M = T * top_k
     cfg = config or default_config(M, E)
     bm = cfg.block_m
-    num_bins = triton.next_power_of_2(E)
+    num_bins = next_pow2(E)
     dev = x.device
     # reshape alone can return a strided view (ids[:, :1] of a wider tensor); the kernels index pairs densely
     flat_ids = ids.reshape(M).contiguous()
     routing = weights.reshape(M).float().contiguous()
 
     if cfg.sort_pairs:
-        num_row_blocks = triton.cdiv(M, bm) + min(E, M)
+        num_row_blocks = cdiv(M, bm) + min(E, M)
         inter_rows = num_row_blocks * bm
         sorted_pairs = torch.empty(inter_rows, dtype=torch.int32, device=dev)
         counts = torch.empty(E, dtype=torch.int32, device=dev)
         block_cum = torch.empty(E, dtype=torch.int32, device=dev)
         # few pairs: narrower blocks, so the fixed cost of the sort stays small
-        pairs_pow2 = max(16, triton.next_power_of_2(M))
+        pairs_pow2 = max(16, next_pow2(M))
         align_block = min(ALIGN_BLOCK, pairs_pow2)
-        moe_align_kernel[(triton.cdiv(M, align_block),)](
+        moe_align_kernel[(cdiv(M, align_block),)](
             flat_ids,
             sorted_pairs,
             counts,
@@ -364,7 +366,7 @@ def fused_experts_triton(
 
     precision = DOT_PRECISIONS[x.dtype]
     inter = torch.empty(inter_rows, I, dtype=x.dtype, device=dev)
-    moe_gate_up_kernel[(num_row_blocks, triton.cdiv(I, cfg.block_n_gate_up))](
+    moe_gate_up_kernel[(num_row_blocks, cdiv(I, cfg.block_n_gate_up))](
         x,
         gate_up_proj,
         inter,
@@ -392,7 +394,7 @@ def fused_experts_triton(
     )
 
     pair_out = torch.empty(M, d, dtype=x.dtype, device=dev)
-    moe_down_kernel[(num_row_blocks, triton.cdiv(d, cfg.block_n_down))](
+    moe_down_kernel[(num_row_blocks, cdiv(d, cfg.block_n_down))](
         inter,
         down_proj,
         routing,

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.launch import next_pow2
+
 __all__ = ["gated_rms_norm_triton"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -59,7 +61,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     x2, g2 = _rows(x, D), _rows(gate, D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0:
-        bd = triton.next_power_of_2(D)
+        bd = next_pow2(D)
         gated_rms_norm_fwd_kernel[(x2.shape[0],)](
             x2,
             g2,
