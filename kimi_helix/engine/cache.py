@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.launch import cdiv
 from ..kernels.mla import mla_decode, mla_prefill
 from ..modeling.batch import ForwardBatch
 from ..modeling.config import KimiK3Config
@@ -42,7 +43,7 @@ class PageLedger:
         self.seqs: dict[int, SequenceBlocks] = {}
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return cdiv(tokens, self.page_size)
 
     def can_admit(self, reserve_tokens: int) -> bool:
         return bool(self.free_slots) and len(self.free_pages) >= self.pages_for(reserve_tokens)

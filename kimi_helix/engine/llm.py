@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..kernels.backends import build_registry
+from ..kernels.launch import cdiv
 from ..modeling.batch import ForwardBatch
 from ..modeling.model import KimiK3ForCausalLM
 from .cache import PagedCache, PageLedger
@@ -123,7 +124,7 @@ class LLM:
     def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
         """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in
         `utilization` of the free memory after the KDA state pool (weights are already resident)."""
-        per_seq = -(-self.max_model_len // page_size)
+        per_seq = cdiv(self.max_model_len, page_size)
         wanted = per_seq * max_num_seqs if self.device.type == "cuda" else per_seq * min(max_num_seqs, 8)
         if self.device.type != "cuda":
             return wanted

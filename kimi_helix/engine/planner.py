@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 
 import torch
 
+from kimi_helix.kernels.launch import cdiv
 from kimi_helix.modeling.accounting import count_parameters, mla_cache_bytes_per_token, n_kda_layers
 from kimi_helix.modeling.config import KimiK3Config
 
@@ -192,7 +193,7 @@ def plan_memory(
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
 
     draft = count_parameters(draft_config)[0] * dtype_bytes if draft_config is not None else 0
-    weights = _ceil_div(count_parameters(config)[0] * dtype_bytes, world) + draft
+    weights = cdiv(count_parameters(config)[0] * dtype_bytes, world) + draft
     if weights > usable:
         raise ValueError(
             f"gpu_memory_bytes={gpu_memory_bytes:,} is too small: the weights alone need {weights:,} B per rank at "
@@ -214,7 +215,7 @@ def plan_memory(
         token_bytes = mla_cache_bytes_per_token(config, dtype_bytes)
     page_bytes = page_size * token_bytes
     # Pages 0, cp, 2cp, ... of a sequence land on rank 0, so rank 0 holds ceil(pages / cp) of them.
-    seq_pages_rank0 = _ceil_div(_ceil_div(max_model_len, page_size), cp)
+    seq_pages_rank0 = cdiv(cdiv(max_model_len, page_size), cp)
     seq_cache = seq_pages_rank0 * page_bytes
     state = _kda_state_bytes_per_rank(config, world, dtype_bytes)
 
@@ -251,10 +252,6 @@ def plan_memory(
         max_concurrent_tokens=max_tokens,
         max_concurrent_sequences=max_seqs,
     )
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _kda_state_bytes_per_rank(config: KimiK3Config, world: int, conv_dtype_bytes: int) -> int:

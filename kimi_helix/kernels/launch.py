@@ -1,4 +1,4 @@
-"""Integer helpers for the launchers' host code.
+"""Integer helpers for host code: the launchers' grids and blocks, and the engine's page counts.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called from Python each costs about 3 us
 (Triton 3.6 and 3.9, measured on the CPU), and a decode step makes a few dozen such calls across its launches. These

@@ -42,17 +42,14 @@ def _chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H: tl.constexpr, K: tl.constexpr,
+              BT: tl.constexpr):  # fmt: skip
     """The intra kernels' pointers moved to token t0 and head i_h, so row indices are chunk-relative and offsets
     small."""
-    return (q + t0 * (H * K) + i_h * K, k + t0 * (H * K) + i_h * K, G + t0 * (H * K) + i_h * K, beta + t0 * H + i_h,
-            Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h)  # fmt: skip
-
-
-@triton.jit
-def _at_chunk_decayed(qg, kd, kg, t0, i_h, H: tl.constexpr, K: tl.constexpr):
-    """store_decayed's output pointers moved to token t0 and head i_h."""
-    return qg + t0 * (H * K) + i_h * K, kd + t0 * (H * K) + i_h * K, kg + t0 * (H * K) + i_h * K
+    HK = H * K
+    return (q + t0 * HK + i_h * K, k + t0 * HK + i_h * K, G + t0 * HK + i_h * K, beta + t0 * H + i_h,
+            Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h,
+            qg + t0 * HK + i_h * K, kd + t0 * HK + i_h * K, kg + t0 * HK + i_h * K)  # fmt: skip
 
 
 @triton.jit
@@ -327,8 +324,7 @@ def kda_chunk_intra_kernel(
     if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
         return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
-    qg, kd, kg = _at_chunk_decayed(qg, kd, kg, t0, i_h, H, K)
+    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)

@@ -16,7 +16,6 @@ from kimi_helix.kernels.kda.chunk_intra import (
     MAX_SPREAD,
     ROUTE_BLOCKS,
     _at_chunk,
-    _at_chunk_decayed,
     _chunk_span,
     _merge_row1,
     _merge_row2,
@@ -153,8 +152,7 @@ def kda_chunk_intra_blocks_kernel(
     if tl.load(route + i_c * H + i_h) != ROUTE_BLOCKS:
         return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
-    qg, kd, kg = _at_chunk_decayed(qg, kd, kg, t0, i_h, H, K)
+    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
     Z = tl.zeros([BC, BC], dtype=tl.float32)

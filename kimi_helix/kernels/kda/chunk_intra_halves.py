@@ -16,7 +16,6 @@ import triton.language as tl
 from kimi_helix.kernels.kda.chunk_intra import (
     ROUTE_HALVES,
     _at_chunk,
-    _at_chunk_decayed,
     _chunk_span,
     _row,
     _store_tile,
@@ -65,8 +64,7 @@ def kda_chunk_intra_halves_kernel(
     if tl.load(route + i_c * H + i_h) != ROUTE_HALVES:
         return
     t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, t0, i_h, H, K, BT)
-    qg, kd, kg = _at_chunk_decayed(qg, kd, kg, t0, i_h, H, K)
+    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
     HK = H * K
     HALF: tl.constexpr = BT // 2
     o_h = tl.arange(0, HALF)

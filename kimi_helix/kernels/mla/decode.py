@@ -349,7 +349,7 @@ def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.
     """
     max_rows = 16 if compute_dtype == torch.float32 else 64
     block_h = min(next_pow2(num_heads), max_rows)
-    mean_sq = -(-num_tokens // max(num_seqs, 1))
+    mean_sq = cdiv(num_tokens, max(num_seqs, 1))
     block_q = min(next_pow2(mean_sq), max(1, max_rows // block_h))
     block_q = max(block_q, 16 // block_h)
     sched = _FP32_SCHEDULE if max_rows == 16 else SCHEDULES[(min(kv_bytes, 2), block_q * block_h)]
@@ -474,7 +474,7 @@ def mla_decode_triton(
     max_kv = block_table.shape[1] * page_size
     use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
     kv_c_desc, kv_pe_desc = _tma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"]) if use_tma else (None, None)
-    num_head_blocks = -(-H // cfg["BLOCK_H"])
+    num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
         slots * num_head_blocks, max_kv, cfg["BLOCK_N"], num_sms(q.device.index),
