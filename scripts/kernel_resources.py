@@ -39,8 +39,9 @@ from kimi_helix.kernels.mla import decode
 
 TARGET = GPUTarget("cuda", 90, 32)
 SASS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDL", "STL")
-# Argument types by name; any other pointer is a bf16 tensor (the model's activations).
-_FP32_PTRS = {"G", "Ai", "rnorm", "h0", "ht", "A_log", "dt_bias", "kv_scale_ptr", "lse_ptr", "out_ptr"}
+# Argument types by name; any other pointer is a bf16 tensor (the model's activations). g is the benchmark's given
+# log-decay, fp32.
+_FP32_PTRS = {"g", "G", "Ai", "rnorm", "h0", "ht", "A_log", "dt_bias", "kv_scale_ptr", "lse_ptr", "out_ptr"}
 _INT_PTRS = {"route", "cu_seqlens", "chunk_indices", "chunk_offsets", "state_indices", "block_table_ptr",
              "cache_seqlens_ptr", "cu_seqlens_q_ptr", "kv_bounds_ptr"}  # fmt: skip
 _FP32_SCALARS = {"scale", "qk_scale", "lower_bound"}

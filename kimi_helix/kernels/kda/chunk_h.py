@@ -25,6 +25,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _last_decay(G, n, o_k, m_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """G's last row in the chunk that starts at G and has n rows (at most BT count); zeros where n <= 0 (no
+    chunk)."""
+    return tl.load(G + (tl.minimum(n, BT) - 1) * (H * K) + o_k, mask=tl.where(n > 0, m_k, False), other=0.0)
+
+
+@triton.jit
 def kda_chunk_state_kernel(
     w,
     u,
@@ -84,10 +91,22 @@ def kda_chunk_state_kernel(
         b_S = tl.load(h0 + (slot * H + i_h) * (K * V) + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
 
     h += (boh * H + i_h) * (K * V)
+    # G's last row and the rows' scale/|q| of a chunk feed no dot, so Triton's pipeliner leaves their loads in the
+    # iteration, which then waits for memory (22% of the pass's stall samples on these two, ncu on an H200, run
+    # 16): they are loaded a chunk ahead instead.
+    b_glast = _last_decay(G, T, o_k, m_k, H, K, BT)
+    b_rq = tl.zeros([BT], dtype=tl.float32)
+    if FUSE_OUTPUT:
+        b_rq = tl.load(rnorm + o_t * (2 * H), mask=o_t < T, other=0.0)
     for i_t in range(tl.cdiv(T, BT)):
         # the per-token pointers point at the current chunk (advanced below), so in-chunk offsets stay small. The
         # tile offsets are written out at each use, not hoisted into loop-invariant tensors: held across the loop
         # those spilled (1120 bytes a thread at BV=64 with 8 warps under Triton 3.6 for sm_90; none or few this way).
+        n_next = T - (i_t + 1) * BT  # rows of the next chunk, <= 0 after the last
+        b_glast_next = _last_decay(G + BT * (H * K), n_next, o_k, m_k, H, K, BT)
+        b_rq_next = b_rq
+        if FUSE_OUTPUT:
+            b_rq_next = tl.load(rnorm + (BT + o_t) * (2 * H), mask=o_t < n_next, other=0.0)
         m_t = o_t < T - i_t * BT
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
@@ -98,20 +117,18 @@ def kda_chunk_state_kernel(
         b_vc = b_v.to(b_w.dtype)  # v_new, likewise
         if FUSE_OUTPUT:
             b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            b_rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=0.0)
             b_o = tl.dot(b_qg, b_Sc, input_precision=DOT_PREC) * b_rq[:, None]
-            # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
-            m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
-            b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+            # whole rows: the intra kernels store zeros above the diagonal, so the load takes no causal mask, which
+            # would split it into 2-byte loads that cannot be pipelined
+            b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
             b_o += tl.dot(b_A, b_vc, input_precision=DOT_PREC)
             tl.store(o + o_t[:, None] * (H * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         else:
             tl.store(h + o_k[:, None] * V + o_v[None, :], b_Sc.to(h.dtype.element_ty), mask=m_kv)
             tl.store(v_new + o_t[:, None] * (H * V) + o_v[None, :], b_vc.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-        last = tl.minimum(T - i_t * BT, BT) - 1
-        b_glast = tl.load(G + last * (H * K) + o_k, mask=m_k, other=0.0)
         b_S = b_S * tl.exp2(b_glast)[:, None]
+        b_glast, b_rq = b_glast_next, b_rq_next
         b_S += tl.dot(tl.trans(b_kg), b_vc, input_precision=DOT_PREC)
         h += H * K * V
         w += BT * H * K

@@ -22,6 +22,7 @@ from kimi_helix.kernels.kda.chunk_intra import (
     invert_in_place,
     row_factors,
     store_decayed,
+    zero_above_diagonal,
 )
 from kimi_helix.kernels.kda.chunk_intra_blocks import _slice
 
@@ -111,6 +112,7 @@ def kda_chunk_intra_halves_kernel(
     _store_tile(Aqk, A00q, 0, 0, T, BT, S, HALF, HALF)
     _store_tile(Aqk, X10q * rq1[:, None], HALF, 0, T, BT, S, HALF, HALF)
     _store_tile(Aqk, A11q, HALF, HALF, T, BT, S, HALF, HALF)
+    zero_above_diagonal(Aqk, T, S, BT, HALF)
     _store_tile(Ai, tl.where(below, A00k * (rk0 * b0)[:, None] * rk0[None, :], 0.0), 0, 0, T, BT, S, HALF, HALF)
     _store_tile(Ai, X10k * (rk1 * b1)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
     A11k = tl.where(below, A11k * (rk1 * b1)[:, None] * rk1[None, :], 0.0)

@@ -53,9 +53,8 @@ def kda_chunk_output_kernel(
     b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=0.0)
     b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC) * b_rq[:, None]
-    # the intra kernels may leave Aqk above the diagonal and past the sequence end unwritten
-    m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
-    b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
+    # whole rows: the intra kernels store zeros above the diagonal (rows past the sequence end stay unwritten)
+    b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
     m_tv = m_t[:, None] & m_v[None, :]
     b_v = tl.load(v_new + o_t[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
     b_o += tl.dot(b_A, b_v, input_precision=DOT_PREC)
