@@ -98,7 +98,7 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     common = dict(H=H, K=K, BT=64, L2NORM=True, DOT_PREC="tf32")
     intra = dict(common, BC=16)
     I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
-    IB = chunk.INTRA_BOUNDED  # the per-half kernel's settings on the bounded-gate path
+    IB = chunk.HALVES  # the per-half kernel's settings
     BV = chunk.state_block(1, H, V, None)
     cases = [
         ("kda gate", kda_chunk_gate_kernel,

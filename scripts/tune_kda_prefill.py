@@ -4,10 +4,10 @@
     python scripts/tune_kda_prefill.py --out $OUT --tables INTRA_BOUNDED --lower-bound -5   # the bounded (K3) gate
     python scripts/tune_kda_prefill.py --smoke        # two candidates per kernel on tiny shapes (CPU interpreter)
 
-One kernel at a time (gate, intra, its block fallback, WY, state, output) runs every candidate of its table while the
-others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the whole chunk_kda call,
-as bench_kda.py calls it. The intra table is INTRA for a given decay and INTRA_BOUNDED for the bounded gate
-(--lower-bound); each is timed only with the gate that uses it.
+One kernel at a time (gate, intra, the per-half pass, the block fallback, WY, state, output) runs every candidate
+of its table while the others keep the settings in kimi_helix/kernels/kda/chunk.py; each candidate is timed as the
+whole chunk_kda call, as bench_kda.py calls it. The intra table is INTRA for a given decay and INTRA_BOUNDED for
+the bounded gate (--lower-bound); each is timed only with the gate that uses it.
 Candidates are compiled first by a pool of worker processes (Triton's on-disk cache is shared). One JSON object
 per timing goes to <out>/tune_kda_prefill.jsonl; the best per kernel is printed last.
 """
@@ -50,8 +50,10 @@ CANDIDATES = {
     "GATE": _grid(BK=[16, 32, 64, 128], num_warps=[2, 4, 8]),
     "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False, halves=False)],
     "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False, halves=False)],
-    "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None])
-    + _grid(BKS=[16], num_warps=[2, 4], num_stages=[3], maxnreg=[168, 128]),
+    "HALVES": _grid(BKS=[16, 32], num_warps=[4, 8], num_stages=[3], maxnreg=[None, 168, 128]),
+    "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None], side_stream=[True])
+    + _grid(BKS=[16], num_warps=[2, 4], num_stages=[3], maxnreg=[168, 128], side_stream=[True])
+    + [dict(chunk.BLOCKS, side_stream=False)],
     "WY": _grid(split=[False, True], BS=[16, 32, 64], num_warps=[4, 8], num_stages=[1, 3], maxnreg=[None])
     + _grid(split=[False], BS=[32, 64], num_warps=[4, 8], num_stages=[3], maxnreg=[128]),
     # with o in the state pass only 4 warps are allowed (chunk._check_state_table)
@@ -63,7 +65,8 @@ SMOKE_CANDIDATES = {
     "GATE": _grid(BK=[16], num_warps=[2, 4]),
     "INTRA": _SMOKE_INTRA_GRID,
     "INTRA_BOUNDED": _SMOKE_INTRA_GRID,
-    "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128]),
+    "HALVES": _grid(BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[None, 128]),
+    "BLOCKS": _grid(BKS=[16], num_warps=[2], num_stages=[1], maxnreg=[None, 128], side_stream=[True]),
     "WY": _grid(split=[False, True], BS=[16], num_warps=[4], num_stages=[1], maxnreg=[None, 128]),
     "STATE": _grid(output=[True, False], BV=[16, 32], num_warps=[4], num_stages=[1]),
     "OUTPUT": _grid(BV=[16, 32], num_warps=[4], num_stages=[1]),

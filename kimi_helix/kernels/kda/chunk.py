@@ -8,7 +8,8 @@ packed tokens (a plain batch is packed as ``B`` equal sequences):
 2. ``kda_chunk_intra_kernel`` (chunk-wide factorisation of the decays) and, when enabled,
    ``kda_chunk_intra_halves_kernel`` (a pivot per half chunk): per chunk, ``A_qk``, ``(I + A_kk)^-1``, the L2
    norms' row factors and the decayed q and k;
-3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks routed to neither;
+3. ``kda_chunk_intra_blocks_kernel``: the same, exactly for any gate, for the chunks routed to neither, on a side
+   stream so that its few long programs overlap the other intra kernels;
 4. ``kda_chunk_wy_kernel``: per chunk, ``w`` and ``u``;
 5. ``kda_chunk_state_kernel``: the sequential pass over chunks, ``v_new`` and ``o``.
 
@@ -115,10 +116,20 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 # 1.774 ms capped, 1.414 uncapped, against 1.392 at BKS=16 capped (532 us; 1.401 uncapped, 1.399 at 168). The
 # per-half kernel does best at BKS=32 (1.442 ms with the bounded gate, 723 us; 1.495 at 16), and the lighter WY
 # kernel at 4 warps (184 us against 213 at 8).
+#
+# INTRA's (INTRA_BOUNDED's) BKS, warps, stages and maxnreg launch the chunk-wide kernel, HALVES the per-half kernel
+# for either gate. On the benchmark's given gates 7% of the chunks are too wide for one pivot; each takes a block
+# kernel program ~50 us, so run after the others that kernel added ~120 us of latency. Run 16 (T=8192, H=64,
+# benchmarks/results/ablate_kda_side_stream.jsonl): with BLOCKS["side_stream"] it runs on a stream forked after the
+# gate kernel and launched first, overlapping the other intra kernels, and the per-half pass takes most of those
+# chunks: 1.202-1.205 ms in three sweeps against 1.229-1.232 for neither (side stream alone 1.216-1.222; the per-half
+# pass alone 1.243; the per-half kernel on the side stream too 1.230). The state pass at BV=32 or with 2 stages lost
+# (1.369, 1.332 ms), as did the gate kernel at 8 warps or BK=64 (1.238, 1.234).
 GATE = dict(BK=128, num_warps=4)
-INTRA = dict(wide=True, halves=False, BKS=16, num_warps=4, num_stages=3, maxnreg=128)
+INTRA = dict(wide=True, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=128)
 INTRA_BOUNDED = dict(wide=False, halves=True, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
-BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None)
+HALVES = dict(BKS=32, num_warps=4, num_stages=3, maxnreg=None)
+BLOCKS = dict(BKS=16, num_warps=2, num_stages=3, maxnreg=None, side_stream=True)
 WY = dict(split=False, BS=64, num_warps=4, num_stages=3, maxnreg=None)
 STATE = dict(output=True, BV=64, num_warps=4, num_stages=3)
 OUTPUT = dict(BV=128, num_warps=4, num_stages=1)
@@ -239,16 +250,26 @@ def chunk_kda(
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
-        wide = dict(BKS=_fit(intra["BKS"], K), num_warps=intra["num_warps"], num_stages=intra["num_stages"],
-                    maxnreg=intra["maxnreg"])  # fmt: skip
+
+        def launch(kernel, cfg):
+            kernel[(NT, H)](*args, **common, BKS=_fit(cfg["BKS"], K), num_warps=cfg["num_warps"],
+                            num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])  # fmt: skip
+
+        # Few chunks reach the block kernel, but each takes it long, so run after the others its programs add their
+        # latency to the prefill: on a stream of its own, launched first, they overlap the other intra kernels.
+        side = torch.cuda.Stream(q.device) if BLOCKS["side_stream"] and q.is_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                launch(kda_chunk_intra_blocks_kernel, BLOCKS)
         if intra["wide"]:
-            kda_chunk_intra_kernel[(NT, H)](*args, **common, **wide)
+            launch(kda_chunk_intra_kernel, intra)
         if halves:
-            kda_chunk_intra_halves_kernel[(NT, H)](*args, **common, **wide)
-        kda_chunk_intra_blocks_kernel[(NT, H)](
-            *args, **common, BKS=_fit(BLOCKS["BKS"], K),
-            num_warps=BLOCKS["num_warps"], num_stages=BLOCKS["num_stages"], maxnreg=BLOCKS["maxnreg"],
-        )  # fmt: skip
+            launch(kda_chunk_intra_halves_kernel, HALVES)
+        if side is None:
+            launch(kda_chunk_intra_blocks_kernel, BLOCKS)
+        else:
+            torch.cuda.current_stream().wait_stream(side)
         BS = _fit(WY["BS"], max(K, V))
         slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
