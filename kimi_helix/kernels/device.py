@@ -14,3 +14,10 @@ def num_sms(device_index: int | None) -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
     return 132
+
+
+@functools.cache
+def side_stream(device_index: int) -> torch.cuda.Stream:
+    """A CUDA stream of the device kept for kernels that overlap others within one call (the KDA prefill's block
+    kernel): one per device, not one per call, which would cost every call a stream creation on the host."""
+    return torch.cuda.Stream(device_index)

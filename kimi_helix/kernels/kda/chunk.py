@@ -29,7 +29,7 @@ from itertools import pairwise
 
 import torch
 
-from kimi_helix.kernels.device import num_sms
+from kimi_helix.kernels.device import num_sms, side_stream
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
@@ -257,7 +257,7 @@ def chunk_kda(
 
         # Few chunks reach the block kernel, but each takes it long, so run after the others its programs add their
         # latency to the prefill: on a stream of its own, launched first, they overlap the other intra kernels.
-        side = torch.cuda.Stream(q.device) if BLOCKS["side_stream"] and q.is_cuda else None
+        side = side_stream(q.device.index or 0) if BLOCKS["side_stream"] and q.is_cuda else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
