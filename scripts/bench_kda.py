@@ -113,7 +113,8 @@ def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdo
         if name.startswith("triton"):  # the chunk size and launch tables the row was measured with
             row["chunk_size"] = chunk_size
             intra = "INTRA" if name == "triton" else "INTRA_BOUNDED"
-            row["launch"] = {t: dict(getattr(kda_chunk, t)) for t in (intra, "HALVES", "BLOCKS", "WY", "STATE", "OUTPUT")}
+            tables = (intra, "HALVES", "BLOCKS", "WY", "STATE", "OUTPUT")
+            row["launch"] = {t: dict(getattr(kda_chunk, t)) for t in tables}
         row["tflops"] = prefill_flops(T, H, D, D) / ms / 1e9
         if breakdown and device.type == "cuda":
             row["kernels_us"] = kernel_breakdown(fn)
