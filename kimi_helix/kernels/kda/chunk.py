@@ -255,8 +255,9 @@ def chunk_kda(
             kernel[(NT, H)](*args, **common, BKS=_fit(cfg["BKS"], K), num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])  # fmt: skip
 
-        # Few chunks reach the block kernel, but each takes it long, so run after the others its programs add their
-        # latency to the prefill: on a stream of its own, launched first, they overlap the other intra kernels.
+        # Few chunks reach the block kernel, but each keeps one of its programs busy long; launched after the other
+        # intra kernels, those programs add their latency to the prefill. On a stream of its own, launched first,
+        # they overlap the others.
         side = side_stream(q.device.index or 0) if BLOCKS["side_stream"] and q.is_cuda else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
