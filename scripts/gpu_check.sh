@@ -3,18 +3,19 @@
 # limit so one slow step cannot eat the call. Logs and JSONL land in $OUT (default ./out). One mode fits one
 # 10-minute device call: `tests kda` in one, `mla` in the next.
 #
-#   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|tune|all [pytest args...]
+#   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|tune|ncu|all [pytest args...]
 #
 # `tune` sweeps the KDA prefill's launch tables at T=8192, H=64 (scripts/tune_kda_prefill.py), for the given
-# decay and for the bounded (K3) gate; it is not part of `all`.
+# decay and for the bounded (K3) gate; `ncu` profiles the KDA prefill and MLA decode kernels with Nsight Compute
+# (scripts/ncu_profile.py). Neither is part of `all`.
 #
 # The device machine has no .git: pass the commit of the tree you send so the JSONL records it.
 set -uo pipefail
 mode="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$mode" in
-    tests | kda | mla | tune | all) ;;
-    *) echo "gpu_check.sh: unknown mode '$mode' (allowed: tests, kda, mla, tune, all)" >&2; exit 2 ;;
+    tests | kda | mla | tune | ncu | all) ;;
+    *) echo "gpu_check.sh: unknown mode '$mode' (allowed: tests, kda, mla, tune, ncu, all)" >&2; exit 2 ;;
 esac
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -40,7 +41,12 @@ if [ "$mode" = mla ] || [ "$mode" = all ]; then
     step 70 scripts/bench_moe.py --out "$out" --tokens 1 16 128 4096
 fi
 if [ "$mode" = tune ]; then
-    # the unbounded gate's tables first; the bounded gate's intra tables after (the rest are shared)
-    step 280 scripts/tune_kda_prefill.py --out "$out" --tables INTRA WY
-    step 240 scripts/tune_kda_prefill.py --out "$out" --lower-bound -5 --tables INTRA_BOUNDED BLOCKS
+    # the given decay's tables first (the per-half and block kernels take the chunks too wide for the chunk-wide
+    # one there); the bounded gate's intra table after, with WY (shared by both)
+    step 300 scripts/tune_kda_prefill.py --out "$out" --tables INTRA HALVES BLOCKS
+    step 240 scripts/tune_kda_prefill.py --out "$out" --lower-bound -5 --tables INTRA_BOUNDED WY
+fi
+if [ "$mode" = ncu ]; then
+    step 200 scripts/ncu_profile.py --target kda --out "$out/ncu" --force
+    step 200 scripts/ncu_profile.py --target mla --out "$out/ncu" --force
 fi
