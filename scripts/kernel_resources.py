@@ -98,7 +98,6 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     common = dict(H=H, K=K, BT=64, L2NORM=True, DOT_PREC="tf32")
     intra = dict(common, BC=16)
     I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
-    IB = chunk.HALVES  # the per-half kernel's settings
     BV = chunk.state_block(1, H, V, None)
     cases = [
         ("kda gate", kda_chunk_gate_kernel,
@@ -107,8 +106,8 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
          chunk.GATE["num_warps"], 3, None),
         ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],
          I["num_stages"], I["maxnreg"]),
-        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=IB["BKS"]), IB["num_warps"],
-         IB["num_stages"], IB["maxnreg"]),
+        ("kda intra, halves", kda_chunk_intra_halves_kernel, dict(intra, BKS=chunk.HALVES["BKS"]),
+         chunk.HALVES["num_warps"], chunk.HALVES["num_stages"], chunk.HALVES["maxnreg"]),
         ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"]),
          B["num_warps"], B["num_stages"], B["maxnreg"]),
         ("kda wy", kda_chunk_wy_kernel, dict(H=H, K=K, V=V, BT=64, BS=W["BS"], DOT_PREC="tf32", SPLIT=W["split"]),

@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import JsonlWriter, run_metadata  # noqa: E402
 
 # Kernels profiled per target (a regex for ncu -k), how many launches to skip (warm-up calls), and a label per
-# profiled launch, in launch order (None: profiled but not summarised, a repeat of the case before).
+# profiled launch, in launch order (None: profiled but not summarised, a repeat of the case before); as many
+# launches are profiled as there are labels.
 TARGETS = {
-    "kda": dict(kernels="kda_chunk_(gate|intra_kernel|wy|state)", skip=4, count=4,
+    "kda": dict(kernels="kda_chunk_(gate|intra_kernel|wy|state)", skip=4,
                 labels=["chunk_kda T=8192 H=64 K=V=128 bf16, g given"] * 4),
-    "mla": dict(kernels="mla_decode_fwd", skip=0, count=9,
+    "mla": dict(kernels="mla_decode_fwd", skip=0,
                 labels=[c if i == 0 else None for c in ("mla_decode b=128 s_k=8192 bf16 H=16 s_q=1",
                                                         "mla_decode b=128 s_k=8192 bf16 H=128 s_q=1",
                                                         "mla_decode b=128 s_k=8192 bf16 H=32 s_q=4")
@@ -87,9 +88,10 @@ def profile(target: str, out: Path) -> None:
     (out / f"{target}.meta.json").write_text(json.dumps(run_metadata()))
     report = out / f"{target}.ncu-rep"
     sections = [a for s in SECTIONS for a in ("--section", s)]
-    subprocess.run(["ncu", "--clock-control", "none", "-f", "-k", f"regex:{t['kernels']}", "--launch-skip",
-                    str(t["skip"]), "--launch-count", str(t["count"]), *sections, "-o", str(report.with_suffix("")),
-                    sys.executable, __file__, "--workload", target], check=True)  # fmt: skip
+    launches = ["--launch-skip", str(t["skip"]), "--launch-count", str(len(t["labels"]))]
+    subprocess.run(["ncu", "--clock-control", "none", "-f", "-k", f"regex:{t['kernels']}", *launches, *sections,
+                    "-o", str(report.with_suffix("")), sys.executable, __file__, "--workload", target],
+                   check=True)  # fmt: skip
     for args, name in ((["--print-details", "all"], f"{target}.txt"),
                        (["--page", "source", "--csv", "--print-source", "sass"], f"{target}_sass.csv")):  # fmt: skip
         text = subprocess.run(["ncu", "--import", str(report), *args], check=True, capture_output=True, text=True)

@@ -37,19 +37,19 @@ def _grid(**axes) -> list[dict]:
 
 
 # INTRA and INTRA_BOUNDED (the same kernels, for the two kinds of gate) share one grid: the chunk-wide kernel's
-# settings with the whole-chunk pass, the per-half pass or both before the block kernel, and the block kernel alone.
-_PASSES = [dict(wide=w, halves=h) for w, h in ((True, False), (True, True), (False, True))]
+# settings with or without the per-half pass after it; their launch settings reach only the chunk-wide kernel (HALVES
+# and BLOCKS launch the others), so the passes without it are one candidate each (in CANDIDATES).
 _INTRA_GRID = [
-    dict(p, **c)
-    for p in _PASSES
+    dict(wide=True, halves=h, **c)
+    for h in (False, True)
     for c in _grid(BKS=[16, 32], num_warps=[4, 8], num_stages=[3], maxnreg=[None])
     + _grid(BKS=[16, 32], num_warps=[4], num_stages=[3], maxnreg=[168, 128])
 ]
 _SMOKE_INTRA_GRID = _grid(wide=[True, False], halves=[True], BKS=[16], num_warps=[4], num_stages=[1], maxnreg=[128])
 CANDIDATES = {
     "GATE": _grid(BK=[16, 32, 64, 128], num_warps=[2, 4, 8]),
-    "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False, halves=False)],
-    "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False, halves=False)],
+    "INTRA": _INTRA_GRID + [dict(chunk.INTRA, wide=False, halves=h) for h in (True, False)],
+    "INTRA_BOUNDED": _INTRA_GRID + [dict(chunk.INTRA_BOUNDED, wide=False, halves=h) for h in (True, False)],
     "HALVES": _grid(BKS=[16, 32], num_warps=[4, 8], num_stages=[3], maxnreg=[None, 168, 128]),
     "BLOCKS": _grid(BKS=[16, 32], num_warps=[2, 4], num_stages=[2, 3], maxnreg=[None], side_stream=[True])
     + _grid(BKS=[16], num_warps=[2, 4], num_stages=[3], maxnreg=[168, 128], side_stream=[True])

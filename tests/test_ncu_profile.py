@@ -81,11 +81,11 @@ def test_summarise_labels_launches_and_checks_their_count(tmp_path, monkeypatch)
     (tmp_path / "x_sass.csv").write_text(CSV)
     meta = {"gpu": "NVIDIA H200", "date": "2026-12-01T23:56:00+00:00", "commit": "abc1234"}
     (tmp_path / "x.meta.json").write_text(json.dumps(meta))
-    monkeypatch.setitem(ncu.TARGETS, "x", dict(kernels="", skip=0, count=2, labels=["gate case", None]))
+    monkeypatch.setitem(ncu.TARGETS, "x", dict(kernels="", skip=0, labels=["gate case", None]))
     (row,) = ncu.summarise("x", tmp_path)
     assert row["case"] == "gate case" and row["kernel"] == "kda_chunk_gate_kernel"
     assert {k: row[k] for k in meta} == meta and row["hottest_instructions"][0]["share"] == 0.75
-    monkeypatch.setitem(ncu.TARGETS, "x", dict(kernels="", skip=0, count=3, labels=["a", "b", "c"]))
+    monkeypatch.setitem(ncu.TARGETS, "x", dict(kernels="", skip=0, labels=["a", "b", "c"]))
     with pytest.raises(ValueError, match="expected 3"):
         ncu.summarise("x", tmp_path)
 
@@ -94,7 +94,7 @@ def test_main_appends_rows_and_keeps_a_saved_report(tmp_path, monkeypatch):
     (tmp_path / "x.txt").write_text(TEXT)
     (tmp_path / "x_sass.csv").write_text(CSV)
     (tmp_path / "x.meta.json").write_text(json.dumps({"gpu": "g", "date": "d", "commit": "c"}))
-    monkeypatch.setitem(ncu.TARGETS, "x", dict(kernels="", skip=0, count=2, labels=["a", "b"]))
+    monkeypatch.setitem(ncu.TARGETS, "x", dict(kernels="", skip=0, labels=["a", "b"]))
     for _ in range(2):
         ncu.main(["--target", "x", "--out", str(tmp_path), "--from-exports"])
     rows = [json.loads(line) for line in (tmp_path / "ncu_x.jsonl").read_text().splitlines()]
