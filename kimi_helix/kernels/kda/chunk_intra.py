@@ -223,14 +223,14 @@ def _store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD
 
 
 @triton.jit
-def zero_above_diagonal(A, T, S, BT: tl.constexpr, BR: tl.constexpr):
-    """Zeros in the [BR, BR] blocks of a chunk's A_qk or (I + A_kk)^-1 (row stride S) above its diagonal blocks,
-    which the kernels that compute them block by block do not produce: the WY, state and output passes load whole
-    rows, as a causal mask would split their loads into 2- or 4-byte ones that Triton cannot pipeline (chunk_h.py)."""
+def zero_above_diagonal(Aqk, T, S, BT: tl.constexpr, BR: tl.constexpr):
+    """Zeros in the [BR, BR] blocks of a chunk's A_qk (row stride S) above its diagonal blocks, which the kernels
+    that compute A_qk block by block do not produce: the state and output passes load whole rows, as a causal mask
+    would split their loads into 2-byte ones that Triton cannot pipeline (chunk_h.py)."""
     Z = tl.zeros([BR, BR], dtype=tl.float32)
     for i in tl.static_range(BT // BR):
         for j in tl.static_range(i + 1, BT // BR):
-            _store_tile(A, Z, i * BR, j * BR, T, BT, S, BR, BR)
+            _store_tile(Aqk, Z, i * BR, j * BR, T, BT, S, BR, BR)
 
 
 @triton.jit

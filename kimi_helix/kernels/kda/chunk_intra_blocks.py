@@ -197,7 +197,6 @@ def kda_chunk_intra_blocks_kernel(
             sk3 += tl.sum(k3 * k3, axis=1)
 
     zero_above_diagonal(Aqk, T, S, BT, BC)
-    zero_above_diagonal(Ai, T, S, BT, BC)
     rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, scale, H, BC, L2NORM)
     Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, H, K, BT, BC, BKS)
     _store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)

@@ -122,5 +122,4 @@ def kda_chunk_intra_halves_kernel(
     _store_tile(Ai, X10k * (rk1 * b1)[:, None] * rk0[None, :], HALF, 0, T, BT, S, HALF, HALF)
     A11k = tl.where(below, A11k * (rk1 * b1)[:, None] * rk1[None, :], 0.0)
     _store_tile(Ai, A11k, HALF, HALF, T, BT, S, HALF, HALF)
-    zero_above_diagonal(Ai, T, S, BT, HALF)
     invert_in_place(Ai, T, S, BT, BC, DOT_PREC)

@@ -71,9 +71,8 @@ def kda_chunk_wy_kernel(
     rnorm += t0 * (2 * H) + 2 * i_h
     o_t = tl.arange(0, BT)
     m_t = o_t < T
-    # whole rows: the intra kernels store zeros above the diagonal, and a causal mask would split the load into
-    # 4-byte ones
-    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
+    m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
+    b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
     b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     rk = tl.load(rnorm + o_t * (2 * H) + 1, mask=m_t, other=0.0)
     b_Aw = (b_Ai * (b_b * rk)[None, :]).to(w.dtype.element_ty)
