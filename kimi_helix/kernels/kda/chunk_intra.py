@@ -71,21 +71,6 @@ def store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, r0, c, T, K: tl.constexpr, 
 
 
 @triton.jit
-def store_decayed_pivoted(b_qe, b_ke, b_kg, b_c, qg, kd, kg, r0, c, T, K: tl.constexpr, BR: tl.constexpr,
-                          BS: tl.constexpr, H: tl.constexpr):  # fmt: skip
-    """store_decayed from the factors a kernel already holds around its pivot decay c ([BS], one per column):
-    b_qe = q exp2(G - c) and b_ke = k exp2(G - c), [BR, BS], give ``qg = b_qe exp2(c)`` and ``kd = b_ke exp2(c)``;
-    the caller makes kg (b_kg), where it can as ``k exp2(c - G) exp2(G_last - c)``. One exp2 a column instead of two
-    an element. Where exp2(c) underflows (c < -126) the true qg and kd are below 2^-126 times the pivot factor's
-    bound 2^MAX_SPREAD, under 2^-30 of |q| and |k|, and are stored as such; it overflows only where exp2(G) of
-    some row of the chunk would (c lies between two rows' G)."""
-    b_ec = tl.exp2(b_c)[None, :]
-    _store_tile(qg, b_qe * b_ec, r0, c, T, K, H * K, BR, BS)
-    _store_tile(kd, b_ke * b_ec, r0, c, T, K, H * K, BR, BS)
-    _store_tile(kg, b_kg, r0, c, T, K, H * K, BR, BS)
-
-
-@triton.jit
 def kda_chunk_gate_kernel(
     g,
     G,
@@ -365,17 +350,13 @@ def kda_chunk_intra_kernel(
         b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
         b_last = _row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
-        b_c = 0.5 * (_row(G, 0, c, HK, K, BKS) + b_last)
-        b_d = b_g - b_c[None, :]
+        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + b_last))[None, :]
         # entries above the diagonal may overflow here; `where` discards them below
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
-        b_qe, b_ke = b_q * e, b_k * e
-        b_kf = b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf")))
-        # G_last - c >= -MAX_SPREAD on this route, so kg is the product of two normal numbers
-        b_kg = b_kf * tl.exp2(b_last - b_c)[None, :]
-        store_decayed_pivoted(b_qe, b_ke, b_kg, b_c, qg, kd, kg, 0, c, T, K, BT, BKS, H)
-        A_qk = tl.dot(b_qe, tl.trans(b_kf), A_qk, input_precision=DOT_PREC)
-        A_kk = tl.dot(b_ke, tl.trans(b_kf), A_kk, input_precision=DOT_PREC)
+        kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
+        A_qk = tl.dot(b_q * e, kt, A_qk, input_precision=DOT_PREC)
+        A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
+        store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, 0, c, T, K, BT, BKS, H)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
     rq, rk, b_b = row_factors(sq, sk, beta, rnorm, 0, T, scale, H, BT, L2NORM)

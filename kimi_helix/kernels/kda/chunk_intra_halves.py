@@ -21,7 +21,7 @@ from kimi_helix.kernels.kda.chunk_intra import (
     _store_tile,
     invert_in_place,
     row_factors,
-    store_decayed_pivoted,
+    store_decayed,
     zero_above_diagonal,
 )
 from kimi_helix.kernels.kda.chunk_intra_blocks import _slice
@@ -29,10 +29,10 @@ from kimi_helix.kernels.kda.chunk_intra_blocks import _slice
 
 @triton.jit
 def _factors(b_d, m, b_k):
-    """The row factors exp2(d) of a half block and its column factor k exp2(-d) (not yet transposed), masked rows
+    """The row factors exp2(d) of a half block and its transposed column factor (k exp2(-d))^T, masked rows
     zero."""
     return (tl.exp2(tl.where(m[:, None], b_d, -float("inf"))),
-            b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf"))))  # fmt: skip
+            tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf")))))  # fmt: skip
 
 
 @triton.jit
@@ -80,28 +80,23 @@ def kda_chunk_intra_halves_kernel(
         q1, k1, g1 = _slice(q, k, G, HALF, c, T, H, K, HALF, BKS)
         g_h = _row(G, tl.minimum(HALF, T - 1), c, HK, K, BKS)  # the decay at the boundary row
         b_last = _row(G, T - 1, c, HK, K, BKS)
+        store_decayed(q0, k0, g0, b_last, qg, kd, kg, 0, c, T, K, HALF, BKS, H)
+        store_decayed(q1, k1, g1, b_last, qg, kd, kg, HALF, c, T, K, HALF, BKS, H)
         # each half's pivot halfway between its first and last decay
-        c0 = 0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS))
-        c1 = 0.5 * (g_h + b_last)
-        # entries above the diagonal may overflow here; `where` discards them below. Each half's decayed q and k
-        # are stored as soon as made, which keeps fewer tiles live (spills otherwise, Triton 3.6).
-        e0, kf0 = _factors(g0 - c0[None, :], m0, k0)
-        q0e, k0e = q0 * e0, k0 * e0
-        store_decayed_pivoted(q0e, k0e, k0 * tl.exp2(b_last[None, :] - g0), c0, qg, kd, kg, 0, c, T, K, HALF, BKS, H)
-        A00q = tl.dot(q0e, tl.trans(kf0), A00q, input_precision=DOT_PREC)
-        A00k = tl.dot(k0e, tl.trans(kf0), A00k, input_precision=DOT_PREC)
-        e1, kf1 = _factors(g1 - c1[None, :], m1, k1)
-        q1e, k1e = q1 * e1, k1 * e1
-        # |G_last - c1| <= MAX_SPREAD on this route
-        store_decayed_pivoted(q1e, k1e, kf1 * tl.exp2(b_last - c1)[None, :], c1, qg, kd, kg, HALF, c, T, K, HALF,
-                              BKS, H)  # fmt: skip
-        A11q = tl.dot(q1e, tl.trans(kf1), A11q, input_precision=DOT_PREC)
-        A11k = tl.dot(k1e, tl.trans(kf1), A11k, input_precision=DOT_PREC)
-        # The cross block's factors exp2(g1 - g_h) and exp2(g_h - g0) exceed 1 only for a non-monotone G. The
-        # first is e1 exp2(c1 - g_h), |c1 - g_h| <= MAX_SPREAD on this route; the second and the first half's kg
-        # are computed whole, as c0 may lie far from g_h and G_last.
-        ex = e1 * tl.exp2(c1 - g_h)[None, :]
-        ktx = tl.trans(k0 * tl.exp2(tl.where(m0[:, None], g_h[None, :] - g0, -float("inf"))))
+        d0 = g0 - (0.5 * (_row(G, 0, c, HK, K, BKS) + _row(G, tl.minimum(HALF - 1, T - 1), c, HK, K, BKS)))[None, :]
+        d1 = g1 - (0.5 * (g_h + b_last))[None, :]
+        # the cross block's factors exp2(g1 - g_h) and exp2(g_h - g0) exceed 1 only for a non-monotone G
+        x1 = g1 - g_h[None, :]
+        x0 = g_h[None, :] - g0
+        # entries above the diagonal may overflow here; `where` discards them below
+        e0, kt0 = _factors(d0, m0, k0)
+        A00q = tl.dot(q0 * e0, kt0, A00q, input_precision=DOT_PREC)
+        A00k = tl.dot(k0 * e0, kt0, A00k, input_precision=DOT_PREC)
+        e1, kt1 = _factors(d1, m1, k1)
+        A11q = tl.dot(q1 * e1, kt1, A11q, input_precision=DOT_PREC)
+        A11k = tl.dot(k1 * e1, kt1, A11k, input_precision=DOT_PREC)
+        ex = tl.exp2(tl.where(m1[:, None], x1, -float("inf")))
+        ktx = tl.trans(k0 * tl.exp2(tl.where(m0[:, None], x0, -float("inf"))))
         X10q = tl.dot(q1 * ex, ktx, X10q, input_precision=DOT_PREC)
         X10k = tl.dot(k1 * ex, ktx, X10k, input_precision=DOT_PREC)
         sq0 += tl.sum(q0 * q0, axis=1)
