@@ -123,23 +123,25 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
 
 
 def mla_cases() -> list[tuple]:
-    """The MLA decode kernel at each committed schedule (bf16 q, page size 64, split KV), with TMA tiles where the
-    schedule asks for them and they fit inside a page."""
+    """The MLA decode kernel at each committed schedule (bf16 q, page size 64, split KV, its latent column groups),
+    with TMA tiles where the schedule asks for them and they fit inside a page."""
     cases = []
     for (kv_bytes, rows), sched in decode.SCHEDULES.items():
         fp8 = kv_bytes == 1
         tma = sched.tma and 64 % sched.block_n == 0
-        c = dict(PAGE_SIZE=64, DC=512, DR=64, BLOCK_H=rows, BLOCK_Q=1, BLOCK_N=sched.block_n, SEQS_POW2=256,
-                 COMPUTE_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8, HAS_BOUNDS=False, SPLIT=True,
-                 RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
+        c = dict(PAGE_SIZE=64, DC=512, DR=64, BLOCK_H=rows, BLOCK_Q=1, BLOCK_N=sched.block_n, DSPLIT=sched.d_split,
+                 SEQS_POW2=256, COMPUTE_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8, HAS_BOUNDS=False,
+                 SPLIT=True, RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
         kv = "fp8e4nv" if fp8 else "bf16"
         overrides = {"kv_ptr": f"*{kv}"}
         if tma:
-            overrides.update(kv_c_desc=f"tensordesc<{kv}[1, {sched.block_n}, 512]>",
+            overrides.update(kv_c_desc=f"tensordesc<{kv}[1, {sched.block_n}, {512 // sched.d_split}]>",
                              kv_pe_desc=f"tensordesc<{kv}[1, {sched.block_n}, 64]>")  # fmt: skip
         else:
             c.update(kv_c_desc=None, kv_pe_desc=None)
-        name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys{', TMA' if tma else ''}"
+        groups = f", {sched.d_split} column groups" if sched.d_split > 1 else ""
+        name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys{groups}"
+        name += ", TMA" if tma else ""
         cases.append((name, decode.mla_decode_fwd_kernel, c, sched.num_warps, sched.num_stages, overrides, None))
     return cases
 

@@ -1,7 +1,8 @@
-"""Sweep the MLA decode kernel's schedules (tile keys, warps, stages, lazy-rescale slack) and split targets on a GPU.
+"""Sweep the MLA decode kernel's schedules (tile keys, warps, stages, lazy-rescale slack, latent column groups) and
+split targets on a GPU.
 
-    python scripts/tune_mla_decode.py --out $OUT            # the target cases of bench_mla.py, about 3 minutes
-    python scripts/tune_mla_decode.py --smoke               # two candidates on tiny shapes (CPU interpreter)
+    python scripts/tune_mla_decode.py --out $OUT            # the target cases of bench_mla.py, a few minutes
+    python scripts/tune_mla_decode.py --smoke               # three candidates on tiny shapes (CPU interpreter)
     python scripts/tune_mla_decode.py --tma --out $OUT      # schedules whose whole tiles TMA copies
 
 For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
@@ -9,7 +10,7 @@ bytes and tile rows), and the committed one, each splitting for 2 programs an SM
 committed one splitting for 1, 4 and 8 (the Schedule's min_waves). Candidates are compiled first by a pool of
 worker processes (Triton's on-disk cache is shared), so the timing pass does not wait on the compiler. One JSON
 object per timing goes to <out>/tune_mla_decode.jsonl; the best per case is printed last, as the lines to put into
-kimi_helix/kernels/mla/decode.py.
+kimi_helix/kernels/mla/decode_schedule.py.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ DEFAULTS = dict(decode.SCHEDULES)  # the committed schedules, before the sweep o
 
 def candidates(rows: int, smoke: bool, tma: bool) -> list[decode.Schedule]:
     if smoke:
-        return [decode.Schedule(32, 4, 1, 0.0, tma=tma), decode.Schedule(32, 4, 1, 8.0, tma=tma)]
-    # one stage (no cp.async pipeline, smaller tiles): more programs an SM instead of deeper buffers; TMA tiles
-    # must fit inside bench_mla.py's 64-key pages
-    block_ns = (32, 64) if rows == 64 or tma else (32, 64, 128)
-    stages = (2, 3) if rows == 64 else (1, 2, 3, 4)
-    return [decode.Schedule(*c, tma=tma) for c in itertools.product(block_ns, (4, 8), stages, (0.0, 8.0))]
+        return [decode.Schedule(32, 4, 1, 0.0, tma=tma), decode.Schedule(32, 4, 1, 8.0, tma=tma, d_split=2),
+                decode.Schedule(32, 4, 1, 0.0, tma=tma, d_split=4)]  # fmt: skip
+    # 48 candidates a case. Gathered tiles at 16 and 32 rows leave out 32 keys and one stage (slower in run 11, see
+    # decode_schedule.SCHEDULES) and four stages, to make room for the latent column groups; TMA tiles must fit
+    # inside bench_mla.py's 64-key pages.
+    block_ns = (32, 64) if rows == 64 or tma else (64, 128)
+    grid = itertools.product(block_ns, (4, 8), (2, 3), (0.0, 8.0), decode.D_SPLITS)
+    return [decode.Schedule(n, w, st, slack, tma=tma, d_split=d) for n, w, st, slack, d in grid]
 
 
 def sweep(case, smoke: bool, tma: bool = False) -> list[decode.Schedule]:
@@ -73,7 +76,7 @@ def _committed(key) -> decode.Schedule:
 
 def tile_key(case) -> tuple[int, int]:
     b, h, s_q, _, kv = case
-    cfg, _ = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2)
+    cfg, _ = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2, KV_LORA)
     return (1 if kv == "fp8" else 2, cfg["BLOCK_Q"] * cfg["BLOCK_H"])
 
 

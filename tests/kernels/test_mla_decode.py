@@ -1,5 +1,6 @@
 """MLA decode/verify over the paged latent cache: the torch reference against a dense softmax, and the Triton kernel
-against the reference (fp32, fp16, fp8 caches, per-token bounds, split-KV, poisoned outputs, input validation)."""
+against the reference (fp32, fp16, fp8 caches, per-token bounds, split-KV, latent column groups, poisoned
+outputs, input validation)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,70 @@ def test_tma_needs_tiles_inside_pages():
     assert not decode._tma_ok(torch.zeros(4, 64, 44, dtype=torch.float16), 32, 64)  # 88-byte rows
 
 
+@pytest.fixture
+def fwd_launches(monkeypatch):
+    """The keyword arguments (constexprs and launch settings) of every launch of the forward kernel."""
+    calls, kernel = [], decode.mla_decode_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(kw) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(decode, "mla_decode_fwd_kernel", Spy())
+    return calls
+
+
+@pytest.mark.parametrize("d_split", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("kv_dtype", "slack", "tma", "splits"),
+    [(torch.float16, 0.0, False, None), (FP8, 8.0, False, 3), (torch.float16, 8.0, True, 1), (FP8, 0.0, True, 3)],
+)
+def test_latent_column_groups(nan_empty, monkeypatch, tma_calls, fwd_launches, d_split, kv_dtype, slack, tma, splits):
+    # kv_lora_rank 64 as 1, 2 or 4 groups of columns, each with its own dot and accumulator. Ragged s_q (one
+    # sequence with none; tiles of 2 tokens x 8 heads) with per-token bounds, some 0; 16-key tiles gathered or by
+    # TMA inside 32-key pages; sharp scores (q x 16) so that row maxima grow past the lazy-rescale slack.
+    args, _ = make_case([200, 7, 96, 33], [1, 3, 0, 2], H=8, page_size=32, kv_lora=64, dtype=torch.float16,
+                        kv_dtype=kv_dtype, seed=19 + d_split)  # fmt: skip
+    args["q"] = args["q"] * 16
+    bounds = torch.tensor([150, 0, 5, 7, 0, 33], dtype=torch.int32)
+    args["kv_bounds"] = bounds.to(DEVICE)
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
+    for key in decode.SCHEDULES:
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, slack, tma=tma, d_split=d_split))
+    out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+    assert [launch["DSPLIT"] for launch in fwd_launches] == [d_split]
+    assert [call[3:] for call in tma_calls] == ([(d_split,)] if tma else [])  # descriptors one group wide
+    empty = (bounds == 0).to(DEVICE)
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out[~empty], want_out[~empty].float(), TOL[torch.float16])
+    assert_rel_close("lse", lse[~empty], want_lse[~empty], 1e-5)
+
+
+@pytest.mark.parametrize(("kv_lora", "d_split"), [(16, 1), (32, 2), (512, 4)])
+def test_d_split_fits_the_latent(nan_empty, fwd_launches, kv_lora, d_split):
+    # The committed 16-row bf16 schedule asks for 4 groups; a narrower latent takes the most groups of >= 16 columns.
+    assert decode.SCHEDULES[(2, 16)].d_split == 4
+    cfg, _ = decode._tiles(16, 1, 1, torch.float16, 2, kv_lora)
+    assert cfg["DSPLIT"] == d_split
+    assert decode._tiles(16, 1, 1, torch.float32, 2, kv_lora)[0]["DSPLIT"] == 1  # the fp32 path keeps one group
+    if kv_lora == 512:
+        return  # too wide for the interpreter
+    args, _ = make_case([40, 9], [1, 1], H=16, kv_lora=kv_lora, dtype=torch.float16, seed=kv_lora)
+    out, lse = mla_decode_triton(**args)
+    assert [launch["DSPLIT"] for launch in fwd_launches] == [d_split]
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close("out", out, want_out.float(), TOL[torch.float16])
+    assert_rel_close("lse", lse, want_lse, 1e-5)
+
+
+def test_rejects_unknown_d_split(monkeypatch):
+    monkeypatch.setitem(decode.SCHEDULES, (2, 16), decode.SCHEDULES[(2, 16)]._replace(d_split=3))
+    args, _ = make_case([5], [1], H=16, dtype=torch.float16, seed=1)
+    with pytest.raises(ValueError, match=r"d_split must be one of \(1, 2, 4\), got 3"):
+        mla_decode_triton(**args)
+
+
 @pytest.mark.parametrize("splits", [None, 3])
 def test_kv_bounds_with_empty_queries(nan_empty, splits):
     lens = [20, 45]
@@ -288,7 +353,8 @@ def test_tune_smoke(tmp_path, tma):
     assert {r["min_waves"] for r in rows} == {1, 2, 4, 8}
     # the sweep times the committed schedule too, and leaves the module as it found it
     assert [*tune_mla_decode.DEFAULTS[tuple(rows[0]["key"])]] in [r["schedule"] for r in rows]
-    assert any(r["schedule"][-1] == tma for r in rows)  # the candidates copy tiles by TMA exactly with --tma
+    assert any(decode.Schedule(*r["schedule"]).tma == tma for r in rows)  # TMA candidates exactly with --tma
+    assert {decode.Schedule(*r["schedule"]).d_split for r in rows} == set(decode.D_SPLITS)
     assert (dict(decode.SCHEDULES), decode.MIN_WAVES) == committed
 
 

@@ -2,10 +2,11 @@
 
 Absorbed MLA is MQA over one shared latent per token, so the kernel packs every (query token, head) pair of a
 sequence into the rows of one tile (BLOCK_M = BLOCK_Q tokens x BLOCK_H heads) and streams that sequence's latent
-pages through it once: scores = q_c @ c^T + q_pe @ k_pe^T (two dots, since kv_lora_rank + rope is not a power of
-two), online softmax in fp32 with exp2, then acc += P @ c with the same tile. When sequences x head blocks cannot
-fill the GPU, each sequence's keys are split over several programs ("flash decoding") whose partial (out, lse) a
-second kernel merges by LSE.
+pages through it once: scores = q_c @ c^T + q_pe @ k_pe^T, online softmax in fp32 with exp2, then acc += P @ c with
+the same tile. The latent's kv_lora_rank columns run as DSPLIT groups (the schedule's d_split), each with its own
+score dot and accumulator, and the rope as one more dot (kv_lora_rank + rope is not a power of two): independent
+MMA chains rather than one long dependent one. When sequences x head blocks cannot fill the GPU, each sequence's
+keys are split over several programs ("flash decoding") whose partial (out, lse) a second kernel merges by LSE.
 
 Host code never reads device values (no synchronisation, CUDA-graph friendly): per-sequence query counts are found
 in the kernel, and tile shapes and the split count come from tensor shapes only.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -24,8 +24,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kimi_helix.kernels.device import num_sms
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
 
-__all__ = ["SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
+__all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,50 +47,110 @@ SUPPORTED = {
 
 
 @triton.jit
-def _raise_max(acc, l_i, m_i, m_tile):
-    """Move the running row max up to include m_tile, rescaling the accumulator and the sum of weights."""
-    m_new = tl.maximum(m_i, m_tile)
-    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-    return acc * alpha[:, None], l_i * alpha, m_new
+def _load_cols(ptr, ok, W: tl.constexpr, DTYPE: tl.constexpr):
+    """W columns from each row start in ptr ([R]) as [R, W] in DTYPE; rows not ok load as 0, not as whatever stale
+    bytes a page holds (0 * NaN in P @ V would poison rows)."""
+    w = tl.arange(0, W)
+    return tl.load(ptr[:, None] + w[None, :], mask=ok[:, None], other=0.0).to(DTYPE)
+
+
+@triton.jit
+def _load_groups(ptr, ok, DW: tl.constexpr, DSPLIT: tl.constexpr, DTYPE: tl.constexpr):
+    """The DSPLIT column groups [j * DW, (j + 1) * DW) of the rows at ptr ([R]) as `_load_cols` loads them: four
+    [R, DW] tiles, of which those from DSPLIT on repeat the first and go unused (Triton has no lists of tensors)."""
+    x0 = _load_cols(ptr, ok, DW, DTYPE)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if DSPLIT > 1:
+        x1 = _load_cols(ptr + DW, ok, DW, DTYPE)
+    if DSPLIT > 2:
+        x2 = _load_cols(ptr + 2 * DW, ok, DW, DTYPE)
+        x3 = _load_cols(ptr + 3 * DW, ok, DW, DTYPE)
+    return x0, x1, x2, x3
 
 
 @triton.jit
 def _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi, PAGE_SIZE: tl.constexpr, DC: tl.constexpr,
-                      DR: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):  # fmt: skip
+                      DR: tl.constexpr, DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):  # fmt: skip
     """Keys n ([BLOCK_N]) of the sequence whose block-table row is pages_ptr, by a page lookup per key: (their cache
-    slots page * PAGE_SIZE + offset, c, pe)."""
+    slots page * PAGE_SIZE + offset, the latent's column groups c0..c3 [BLOCK_N, DC / DSPLIT], pe [BLOCK_N, DR])."""
     n_ok = n < hi
     # Per-key page lookup: a tile may span several small pages or sit inside one large page.
     page = tl.load(pages_ptr + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
     kv_row = kv_ptr + page * stride_kvp + (n % PAGE_SIZE) * stride_kvs
-    # Masked-off keys load as 0, not as whatever stale bytes the page holds: 0 * NaN in P @ V would poison rows.
-    dc = tl.arange(0, DC)
-    c = tl.load(kv_row[:, None] + dc[None, :], mask=n_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-    pe = c  # unused when DR == 0
+    c0, c1, c2, c3 = _load_groups(kv_row, n_ok, DC // DSPLIT, DSPLIT, COMPUTE_DTYPE)
+    pe = c0  # unused when DR == 0
     if DR > 0:
-        dr = tl.arange(0, DR)
-        pe = tl.load(kv_row[:, None] + DC + dr[None, :], mask=n_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-    return page * PAGE_SIZE + n % PAGE_SIZE, c, pe
+        pe = _load_cols(kv_row + DC, n_ok, DR, COMPUTE_DTYPE)
+    return page * PAGE_SIZE + n % PAGE_SIZE, c0, c1, c2, c3, pe
 
 
 @triton.jit
-def _load_tile_tma(kv_c_desc, kv_pe_desc, page, row, BLOCK_N: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr):
-    """Rows [row, row + BLOCK_N) of one page by TMA, zeros where row < 0: (c [BLOCK_N, DC], pe [BLOCK_N, DR])."""
-    c = kv_c_desc.load([page, row, 0]).reshape(BLOCK_N, DC)
-    pe = c  # unused when DR == 0
-    if DR > 0:
-        pe = kv_pe_desc.load([page, row, 0]).reshape(BLOCK_N, DR)
-    return c, pe
+def _tma_tile(desc, page, row, col, BLOCK_N: tl.constexpr, W: tl.constexpr):
+    """desc's [1, BLOCK_N, W] tile at (page, row, col) as [BLOCK_N, W]."""
+    return desc.load([page, row, col]).reshape(BLOCK_N, W)
 
 
 @triton.jit
-def _attend_tile(q_c, q_pe, c, pe, kv_scale_ptr, key_slot, n, lo, hi, bound, acc, l_i, m_i, qk_scale,
-                 DR: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, IS_FP8: tl.constexpr,
-                 RESCALE_SLACK: tl.constexpr):  # fmt: skip
-    """The tile's keys n in [lo, hi) into the online softmax: scores, the running max and sum, acc += P @ c."""
-    s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
+def _load_tile_tma(kv_c_desc, kv_pe_desc, page, row, BLOCK_N: tl.constexpr, DW: tl.constexpr, DR: tl.constexpr,
+                   DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):  # fmt: skip
+    """Rows [row, row + BLOCK_N) of one page by TMA, zeros where row < 0: (the column groups c0..c3 [BLOCK_N, DW],
+    one kv_c_desc tile each, as `_load_groups` returns them; pe [BLOCK_N, DR])."""
+    # Every copy before any conversion from fp8: converting each tile as it lands reorders the fp8 kernels, and
+    # their spills grew with it (sm_90 offline, 16 rows x 64 keys: 72 bytes of stack a thread instead of 40).
+    c0 = _tma_tile(kv_c_desc, page, row, 0, BLOCK_N, DW)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    if DSPLIT > 1:
+        c1 = _tma_tile(kv_c_desc, page, row, DW, BLOCK_N, DW)
+    if DSPLIT > 2:
+        c2 = _tma_tile(kv_c_desc, page, row, 2 * DW, BLOCK_N, DW)
+        c3 = _tma_tile(kv_c_desc, page, row, 3 * DW, BLOCK_N, DW)
+    pe = c0  # unused when DR == 0
     if DR > 0:
-        s = tl.dot(q_pe, tl.trans(pe), s, input_precision=DOT_PRECISION)
+        pe = _tma_tile(kv_pe_desc, page, row, 0, BLOCK_N, DR)
+    return c0.to(COMPUTE_DTYPE), c1.to(COMPUTE_DTYPE), c2.to(COMPUTE_DTYPE), c3.to(COMPUTE_DTYPE), pe.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, pe, DR: tl.constexpr, DSPLIT: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """q_c @ c^T + q_pe @ pe^T ([rows, BLOCK_N] fp32) as one dot per column group and one for the rope, summed:
+    independent MMA chains the tensor cores overlap, where a single dot over the whole width is one chain whose
+    every step waits on the one before."""
+    s = tl.dot(q0, tl.trans(c0), input_precision=DOT_PRECISION)
+    if DSPLIT > 1:
+        s += tl.dot(q1, tl.trans(c1), input_precision=DOT_PRECISION)
+    if DSPLIT > 2:
+        s += tl.dot(q2, tl.trans(c2), input_precision=DOT_PRECISION)
+        s += tl.dot(q3, tl.trans(c3), input_precision=DOT_PRECISION)
+    if DR > 0:
+        s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _raise_max(acc0, acc1, acc2, acc3, l_i, m_i, m_tile, DSPLIT: tl.constexpr):
+    """Move the running row max up to include m_tile, rescaling the DSPLIT accumulators and the sum of weights."""
+    m_new = tl.maximum(m_i, m_tile)
+    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+    acc0 = acc0 * alpha[:, None]
+    if DSPLIT > 1:
+        acc1 = acc1 * alpha[:, None]
+    if DSPLIT > 2:
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+    return acc0, acc1, acc2, acc3, l_i * alpha, m_new
+
+
+@triton.jit
+def _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound, acc0, acc1, acc2, acc3, l_i, m_i,
+                 qk_scale, DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 IS_FP8: tl.constexpr, RESCALE_SLACK: tl.constexpr):  # fmt: skip
+    """The scores s of the tile's keys n in [lo, hi) into the online softmax: the running max and sum, and
+    acc_j += P @ c_j for each column group j < DSPLIT."""
     visible = (n >= lo)[None, :] & (n[None, :] < bound[:, None])
     if IS_FP8:
         # Dequantise per key (column) in fp32 rather than per element of the tile: exact and cheaper.
@@ -100,20 +161,40 @@ def _attend_tile(q_c, q_pe, c, pe, kv_scale_ptr, key_slot, n, lo, hi, bound, acc
     s = tl.where(visible, s, float("-inf"))
     m_tile = tl.max(s, axis=1)
     if RESCALE_SLACK > 0:
-        # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of acc) until some row's max
-        # grows by more than the slack; p <= 2^slack meanwhile, far from overflowing bf16 or the fp32 sums.
+        # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of the accumulators) until some
+        # row's max grows by more than the slack; p <= 2^slack meanwhile, far from overflowing bf16 or the fp32 sums.
         grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)
         if tl.max(grow, axis=0) > RESCALE_SLACK:
-            acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
+            acc0, acc1, acc2, acc3, l_i, m_i = _raise_max(acc0, acc1, acc2, acc3, l_i, m_i, m_tile, DSPLIT)
     else:
-        acc, l_i, m_i = _raise_max(acc, l_i, m_i, m_tile)
+        acc0, acc1, acc2, acc3, l_i, m_i = _raise_max(acc0, acc1, acc2, acc3, l_i, m_i, m_tile, DSPLIT)
     # Rows with no visible key so far keep m = -inf; offsetting by 0 instead keeps exp2 away from -inf - -inf.
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     l_i += tl.sum(p, axis=1)
     if IS_FP8:
         p = p * key_scale[None, :]
-    acc = tl.dot(p.to(COMPUTE_DTYPE), c, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_i
+    p = p.to(COMPUTE_DTYPE)
+    acc0 = tl.dot(p, c0, acc0, input_precision=DOT_PRECISION)
+    if DSPLIT > 1:
+        acc1 = tl.dot(p, c1, acc1, input_precision=DOT_PRECISION)
+    if DSPLIT > 2:
+        acc2 = tl.dot(p, c2, acc2, input_precision=DOT_PRECISION)
+        acc3 = tl.dot(p, c3, acc3, input_precision=DOT_PRECISION)
+    return acc0, acc1, acc2, acc3, l_i, m_i
+
+
+@triton.jit
+def _store_out(ptr, ok, acc0, acc1, acc2, acc3, l_safe, DW: tl.constexpr, DSPLIT: tl.constexpr):
+    """acc_j / l_safe (the first DSPLIT groups, [R, DW] each) into columns [j * DW, (j + 1) * DW) of the rows
+    at ptr ([R]) that are ok."""
+    dw = tl.arange(0, DW)[None, :]
+    ty = ptr.dtype.element_ty
+    tl.store(ptr[:, None] + dw, (acc0 / l_safe[:, None]).to(ty), mask=ok[:, None])
+    if DSPLIT > 1:
+        tl.store(ptr[:, None] + DW + dw, (acc1 / l_safe[:, None]).to(ty), mask=ok[:, None])
+    if DSPLIT > 2:
+        tl.store(ptr[:, None] + 2 * DW + dw, (acc2 / l_safe[:, None]).to(ty), mask=ok[:, None])
+        tl.store(ptr[:, None] + 3 * DW + dw, (acc3 / l_safe[:, None]).to(ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -145,6 +226,7 @@ def mla_decode_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DSPLIT: tl.constexpr,
     SEQS_POW2: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -192,17 +274,20 @@ def mla_decode_fwd_kernel(
     hi = tl.minimum(lo + split_len, tl.max(bound, axis=0))
     bound = tl.minimum(bound, hi)
 
-    dc = tl.arange(0, DC)
+    # The latent's columns as DSPLIT groups of DW, each with its own operands and accumulator (see `_scores`).
+    DW: tl.constexpr = DC // DSPLIT
     q_row = q_ptr + tok.to(tl.int64) * stride_qt + head * stride_qh
-    q_c = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
-    q_pe = q_c  # unused when DR == 0
+    q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, COMPUTE_DTYPE)
+    q_pe = q0  # unused when DR == 0
     if DR > 0:
-        dr = tl.arange(0, DR)
-        q_pe = tl.load(q_row[:, None] + DC + dr[None, :], mask=row_ok[:, None], other=0.0).to(COMPUTE_DTYPE)
+        q_pe = _load_cols(q_row + DC, row_ok, DR, COMPUTE_DTYPE)
 
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_H, DC], tl.float32)
+    acc0 = tl.zeros([BLOCK_Q * BLOCK_H, DW], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     pages_ptr = block_table_ptr + seq * stride_bt
     for tile_lo in range(lo, hi, BLOCK_N):
         if USE_TMA:
@@ -211,25 +296,27 @@ def mla_decode_fwd_kernel(
             # tile (masked out) or, before the page's first row, TMA's zero fill.
             shift = BLOCK_N - tl.minimum(hi - tile_lo, BLOCK_N)
             page = tl.load(pages_ptr + tile_lo // PAGE_SIZE)
-            c, pe = _load_tile_tma(kv_c_desc, kv_pe_desc, page, tile_lo % PAGE_SIZE - shift, BLOCK_N, DC, DR)
-            c, pe = c.to(COMPUTE_DTYPE), pe.to(COMPUTE_DTYPE)
+            c0, c1, c2, c3, pe = _load_tile_tma(kv_c_desc, kv_pe_desc, page, tile_lo % PAGE_SIZE - shift, BLOCK_N,
+                                                DW, DR, DSPLIT, COMPUTE_DTYPE)  # fmt: skip
             n = tile_lo - shift + tl.arange(0, BLOCK_N)
             key_slot = page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE
         else:
             n = tile_lo + tl.arange(0, BLOCK_N)
-            key_slot, c, pe = _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi, PAGE_SIZE, DC, DR,
-                                                COMPUTE_DTYPE)  # fmt: skip
-        acc, l_i, m_i = _attend_tile(q_c, q_pe, c, pe, kv_scale_ptr, key_slot, n, tile_lo, hi, bound, acc, l_i, m_i,
-                                     qk_scale, DR, COMPUTE_DTYPE, DOT_PRECISION, IS_FP8, RESCALE_SLACK)  # fmt: skip
+            key_slot, c0, c1, c2, c3, pe = _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi,
+                                                             PAGE_SIZE, DC, DR, DSPLIT, COMPUTE_DTYPE)  # fmt: skip
+        s = _scores(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, pe, DR, DSPLIT, DOT_PRECISION)
+        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, tile_lo, hi,
+                                                        bound, acc0, acc1, acc2, acc3, l_i, m_i, qk_scale, DSPLIT,
+                                                        COMPUTE_DTYPE, DOT_PRECISION, IS_FP8,
+                                                        RESCALE_SLACK)  # fmt: skip
 
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     row = tok.to(tl.int64) * num_heads + head
     if SPLIT:
         row = row * num_splits + split
-    tl.store(out_ptr + row[:, None] * DC + dc[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _store_out(out_ptr + row * DC, row_ok, acc0, acc1, acc2, acc3, l_safe, DW, DSPLIT)
     tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
@@ -267,51 +354,6 @@ def mla_decode_combine_kernel(
     tl.store(lse_ptr + rows, tl.where(has_keys, m_off + tl.log(denom), float("-inf")), mask=row_ok)
 
 
-# Programs per SM that the split count aims for by default: sequences of unequal length leave SMs idle at the end
-# of the last wave unless each SM gets several programs to balance over.
-MIN_WAVES = 4
-
-
-class Schedule(NamedTuple):
-    """How one tile class runs: keys per tile, warps, pipeline stages, the lazy-rescale slack (log2 units; 0
-    rescales the accumulator whenever a row max grows), the programs per SM its split count aims for, the fewest
-    tiles a split keeps, and whether whole tiles are copied by TMA (where the cache allows, see `_tma_ok`, and the
-    launch is large enough, see `TMA_MIN_WORK`)."""
-
-    block_n: int
-    num_warps: int
-    num_stages: int
-    rescale_slack: float
-    min_waves: int = MIN_WAVES
-    min_split_tiles: int = 4
-    tma: bool = False
-
-
-# By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
-# D=576, b=128, mean s_k=8192, commit a6cf40c): rows=16 (H=16) 0.43 ms, rows=32 (H=32) 0.54 ms, where lazy
-# rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
-# rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
-# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory. Run 11 (commit b1c6eed) also swept one-stage schedules
-# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these. Splitting the 32-row class for 8 programs
-# an SM instead of 4 (commit b3f3b3e, the whole bench_mla.py grid) gained 4-18% at b=128 and at b=32 with 32k keys
-# but lost 5-20% at b=32 with 4k-8k keys, where a split kept only about 4 tiles. Keeping at least 8 tiles a split
-# as well (run 11, timed in one call against 4 programs an SM and 4 tiles, 8 cases): b=128 12% faster to 1% slower,
-# b=32 7-9% faster at 4k keys and 2-3% slower at 8k; at 32k keys the split counts are those of the b3f3b3e grid.
-# TMA tiles (run 13, `tune_mla_decode.py --tma` at b53ddaa, every candidate beside the gathered schedules) win
-# where the tile is compute-heavy or converted from fp8: rows=64 1.13 ms against 1.37 (H=128; H=16 at s_q=4 0.64
-# against 0.73), fp8 rows=64 1.66 against 2.03 and fp8 rows=16 0.74 against 0.86; gathered 128-key tiles stay
-# ahead at bf16 rows=16 (0.43 ms against 0.48) and rows=32 (0.54 against 0.61). fp8 rows=32 follows rows=16 (not
-# swept). A cache whose pages are not a multiple of 64 keys runs these schedules with gathered tiles.
-SCHEDULES = {
-    (2, 16): Schedule(128, 8, 2, 0.0),
-    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8),
-    (2, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
-    (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
-    (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
-    (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
-}
-_FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
-
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
 # launch spends more host time (two descriptors encoded per call; run 14 on the H200's host: 40-150 us more than a
 # gathered launch) while saving little GPU time on small launches (CUDA-graph replays, run 14: at most 25 us below
@@ -320,48 +362,10 @@ _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles mus
 TMA_MIN_WORK = 1 << 24
 
 
-def _num_kv_splits(
-    work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None, min_split_tiles: int = 4
-) -> int:
-    """Splits per sequence so that `work` programs x splits fill the SMs.
-
-    At least `min_waves` programs per SM where the keys allow (each split keeps >= `min_split_tiles` tiles of the
-    capacity `max_kv`, so its pipeline amortises its prologue and the merge stays small); beyond that
-    FlashAttention's rule: wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within
-    85% of the best.
-    """
-    min_waves = MIN_WAVES if min_waves is None else min_waves
-    max_splits = max(1, min(64, max_kv // (min_split_tiles * block_n)))
-    if work >= min_waves * num_sms or max_splits == 1:
-        return 1
-    lo = 1 if min_waves <= 1 else min(max_splits, math.ceil(min_waves * num_sms / work))
-    eff = {s: (work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(lo, max_splits + 1)}
-    best = max(eff.values())
-    return next(s for s, e in eff.items() if e >= 0.85 * best)
-
-
-def _tiles(num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int):
-    """(Kernel launch parameters, the tile class's Schedule) from shapes alone (no device reads).
-
-    Rows = BLOCK_Q tokens x BLOCK_H heads <= 64: the fp32 [64, kv_lora_rank=512] accumulator alone takes 128
-    registers a thread at 8 warps. tl.dot needs >= 16 rows, so a small H takes more query tokens per tile. fp32
-    compute (a correctness path) keeps 16 rows and one stage so its 4-byte tiles fit in shared memory.
-    """
-    max_rows = 16 if compute_dtype == torch.float32 else 64
-    block_h = min(next_pow2(num_heads), max_rows)
-    mean_sq = cdiv(num_tokens, max(num_seqs, 1))
-    block_q = min(next_pow2(mean_sq), max(1, max_rows // block_h))
-    block_q = max(block_q, 16 // block_h)
-    sched = _FP32_SCHEDULE if max_rows == 16 else SCHEDULES[(min(kv_bytes, 2), block_q * block_h)]
-    return dict(
-        BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
-        num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack,
-    ), sched  # fmt: skip
-
-
-def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int) -> bool:
+def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_split: int = 1) -> bool:
     """Whether TMA can copy this cache's tiles: each tile must lie inside one page (so block_n divides the page
-    size), TMA needs Hopper or newer (or the interpreter), and 16-byte aligned pages, rows and column blocks."""
+    size), TMA needs Hopper or newer (or the interpreter), and 16-byte aligned pages, rows, the rope's first column
+    and the width of a latent column group (kv_lora_rank / d_split)."""
     if kv_cache.device.type == "cuda":
         if torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
             return False
@@ -373,13 +377,17 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int) -> bool:
         and kv_cache.data_ptr() % 16 == 0
         and kv_cache.shape[2] * elem % 16 == 0
         and kv_lora_rank * elem % 16 == 0
+        and kv_lora_rank % d_split == 0
+        and kv_lora_rank // d_split * elem % 16 == 0
     )
 
 
-def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int):
-    """Descriptors of the pages [num_pages, page_size, D]: [1, block_n, kv_lora_rank] tiles of c and
-    [1, block_n, rope_dim] tiles of k_pe (None without rope). Rows outside a page read as zeros."""
-    c = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), [1, block_n, kv_lora_rank])
+def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_split: int = 1):
+    """Descriptors of the pages [num_pages, page_size, D]: [1, block_n, kv_lora_rank / d_split] tiles of c (one
+    latent column group, loaded at column j * kv_lora_rank / d_split for group j) and [1, block_n, rope_dim] tiles
+    of k_pe (None without rope). Rows outside a page read as zeros."""
+    group = [1, block_n, kv_lora_rank // d_split]
+    c = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), group)
     rope = kv_cache.shape[2] - kv_lora_rank
     if rope == 0:
         return c, None
@@ -470,10 +478,11 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
-    cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size())
+    cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
     max_kv = block_table.shape[1] * page_size
-    use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
-    kv_c_desc, kv_pe_desc = _tma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"]) if use_tma else (None, None)
+    tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])
+    use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(*tile)
+    kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma else (None, None)
     num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(

@@ -1,0 +1,116 @@
+"""Launch schedules of the MLA decode kernel (`decode.mla_decode_fwd_kernel`): tile shapes, warps, pipeline stages,
+the latent column split and the split-KV count, all from tensor shapes (no device reads)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from kimi_helix.kernels.launch import cdiv, next_pow2
+
+__all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "Schedule"]
+
+# Programs per SM that the split count aims for by default: sequences of unequal length leave SMs idle at the end
+# of the last wave unless each SM gets several programs to balance over.
+MIN_WAVES = 4
+
+# Latent column groups a schedule may ask for; each group is a tl.dot operand and needs >= 16 columns.
+D_SPLITS = (1, 2, 4)
+
+
+class Schedule(NamedTuple):
+    """How one tile class runs: keys per tile, warps, pipeline stages, the lazy-rescale slack (log2 units; 0
+    rescales the accumulator whenever a row max grows), the programs per SM its split count aims for, the fewest
+    tiles a split keeps, whether whole tiles are copied by TMA (where the cache allows, see `decode._tma_ok`, and
+    the launch is large enough, see `decode.TMA_MIN_WORK`), and d_split: the latent's kv_lora_rank columns taken
+    as that many groups (1, 2 or 4) of kv_lora_rank / d_split columns, each with its own score dot and its own
+    [rows, kv_lora_rank / d_split] accumulator, so the tensor cores run independent MMA chains instead of one long
+    dependent one (a kv_lora_rank too small for the groups to keep 16 columns each takes the largest split that
+    does)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    rescale_slack: float
+    min_waves: int = MIN_WAVES
+    min_split_tiles: int = 4
+    tma: bool = False
+    d_split: int = 1
+
+
+# By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
+# D=576, b=128, mean s_k=8192, commit a6cf40c): rows=16 (H=16) 0.43 ms, rows=32 (H=32) 0.54 ms, where lazy
+# rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
+# rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
+# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory. Run 11 (commit b1c6eed) also swept one-stage schedules
+# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these. Splitting the 32-row class for 8 programs
+# an SM instead of 4 (commit b3f3b3e, the whole bench_mla.py grid) gained 4-18% at b=128 and at b=32 with 32k keys
+# but lost 5-20% at b=32 with 4k-8k keys, where a split kept only about 4 tiles. Keeping at least 8 tiles a split
+# as well (run 11, timed in one call against 4 programs an SM and 4 tiles, 8 cases): b=128 12% faster to 1% slower,
+# b=32 7-9% faster at 4k keys and 2-3% slower at 8k; at 32k keys the split counts are those of the b3f3b3e grid.
+# TMA tiles (run 13, `tune_mla_decode.py --tma` at b53ddaa, every candidate beside the gathered schedules) win
+# where the tile is compute-heavy or converted from fp8: rows=64 1.13 ms against 1.37 (H=128; H=16 at s_q=4 0.64
+# against 0.73), fp8 rows=64 1.66 against 2.03 and fp8 rows=16 0.74 against 0.86; gathered 128-key tiles stay
+# ahead at bf16 rows=16 (0.43 ms against 0.48) and rows=32 (0.54 against 0.61). fp8 rows=32 follows rows=16 (not
+# swept). A cache whose pages are not a multiple of 64 keys runs these schedules with gathered tiles.
+SCHEDULES = {
+    # Run 17 (H200, the standalone experiment .diag/mla_exp.py, s_q=1 only, not this kernel): at b=128, H=16,
+    # s_k=8192, bf16, 4 latent column groups with 64-key tiles, 4 warps and 2 stages took 0.363 ms (3.32 TB/s)
+    # against this kernel's 0.431 ms (2.79 TB/s) with Schedule(128, 8, 2, 0.0); 128-key tiles with 4 groups 0.373
+    # ms, one group 0.384 ms (both 4 warps). Not yet timed in this kernel.
+    (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
+    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8),
+    (2, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+}
+_FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
+
+
+def _num_kv_splits(
+    work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None, min_split_tiles: int = 4
+) -> int:
+    """Splits per sequence so that `work` programs x splits fill the SMs.
+
+    At least `min_waves` programs per SM where the keys allow (each split keeps >= `min_split_tiles` tiles of the
+    capacity `max_kv`, so its pipeline amortises its prologue and the merge stays small); beyond that
+    FlashAttention's rule: wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within
+    85% of the best.
+    """
+    min_waves = MIN_WAVES if min_waves is None else min_waves
+    max_splits = max(1, min(64, max_kv // (min_split_tiles * block_n)))
+    if work >= min_waves * num_sms or max_splits == 1:
+        return 1
+    lo = 1 if min_waves <= 1 else min(max_splits, math.ceil(min_waves * num_sms / work))
+    eff = {s: (work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(lo, max_splits + 1)}
+    best = max(eff.values())
+    return next(s for s, e in eff.items() if e >= 0.85 * best)
+
+
+def _tiles(
+    num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int, kv_lora_rank: int
+):
+    """(Kernel launch parameters, the tile class's Schedule) from shapes alone (no device reads).
+
+    Rows = BLOCK_Q tokens x BLOCK_H heads <= 64: the fp32 [64, kv_lora_rank=512] accumulator alone takes 128
+    registers a thread at 8 warps. tl.dot needs >= 16 rows, so a small H takes more query tokens per tile. fp32
+    compute (a correctness path) keeps 16 rows and one stage so its 4-byte tiles fit in shared memory. DSPLIT is
+    the schedule's d_split, lowered to kv_lora_rank / 16 where the groups would be narrower than 16 columns.
+    """
+    max_rows = 16 if compute_dtype == torch.float32 else 64
+    block_h = min(next_pow2(num_heads), max_rows)
+    mean_sq = cdiv(num_tokens, max(num_seqs, 1))
+    block_q = min(next_pow2(mean_sq), max(1, max_rows // block_h))
+    block_q = max(block_q, 16 // block_h)
+    sched = _FP32_SCHEDULE if max_rows == 16 else SCHEDULES[(min(kv_bytes, 2), block_q * block_h)]
+    if sched.d_split not in D_SPLITS:
+        raise ValueError(f"Schedule.d_split must be one of {D_SPLITS}, got {sched.d_split!r}")
+    # kv_lora_rank and d_split are powers of two, so the smaller of the two splits kv_lora_rank evenly
+    d_split = min(sched.d_split, kv_lora_rank // 16)
+    return dict(
+        BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
+        num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack, DSPLIT=d_split,
+    ), sched  # fmt: skip
