@@ -56,12 +56,14 @@ class Schedule(NamedTuple):
 # ahead at bf16 rows=16 (0.43 ms against 0.48) and rows=32 (0.54 against 0.61). fp8 rows=32 follows rows=16 (not
 # swept). A cache whose pages are not a multiple of 64 keys runs these schedules with gathered tiles.
 SCHEDULES = {
-    # Run 17 (H200, the standalone experiment .diag/mla_exp.py, s_q=1 only, not this kernel): at b=128, H=16,
-    # s_k=8192, bf16, 4 latent column groups with 64-key tiles, 4 warps and 2 stages took 0.363 ms (3.32 TB/s)
-    # against this kernel's 0.431 ms (2.79 TB/s) with Schedule(128, 8, 2, 0.0); 128-key tiles with 4 groups 0.373
-    # ms, one group 0.384 ms (both 4 warps). Not yet timed in this kernel.
+    # Run 17 (H200, b=128, s_k=8192, bf16; benchmarks/results/mla_decode.jsonl): 4 latent column groups
+    # (d_split) with 4 warps. 16 rows (H=16): 64-key tiles, 0.377 ms (3.21 TB/s) against 0.433 at Schedule(128,
+    # 8, 2, 0.0); in a standalone experiment kernel 128-key tiles with 4 groups took 0.373 ms and 1 group 0.384.
+    # 32 rows (H=32): 0.459 ms against 0.541 with 1 group (tune_mla_decode.py, 9 candidates: 64 or 128 keys,
+    # slack 0 or 8, 1/2/4 groups). 64 rows with TMA (H=128): the fastest of 6 candidates (32 or 64 keys, 1/2/4
+    # groups) keeps 1 group (1.122 ms).
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
-    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8),
+    (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
     (2, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
     (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
     (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
