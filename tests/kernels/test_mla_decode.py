@@ -389,7 +389,7 @@ def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
-@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (16, 4), (96, 1), (96, 4), (128, 1), (128, 4)])
+@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (16, 4), (32, 1), (96, 1), (96, 4), (128, 1), (128, 4)])
 def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
