@@ -9,7 +9,8 @@
 # decay and for the bounded (K3) gate; `ncu` profiles the KDA prefill and MLA decode kernels with Nsight Compute
 # (scripts/ncu_profile.py). Neither is part of `all`.
 #
-# The device machine has no .git: pass the commit of the tree you send so the JSONL records it.
+# The device machine has no .git: pass the commit of the tree you send so the JSONL records it. With PACK=1 the
+# outputs end up as one archive, $OUT/gpu_check.tgz, for a device tool that returns only a few files per call.
 set -uo pipefail
 mode="${1:-all}"
 [ $# -gt 0 ] && shift
@@ -49,4 +50,8 @@ fi
 if [ "$mode" = ncu ]; then
     step 200 scripts/ncu_profile.py --target kda --out "$out/ncu" --force
     step 200 scripts/ncu_profile.py --target mla --out "$out/ncu" --force
+fi
+if [ "${PACK:-0}" = 1 ]; then
+    tar -czf /tmp/gpu_check.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/gpu_check.tgz "$out/"
+    echo "packed into $out/gpu_check.tgz"
 fi
