@@ -52,6 +52,7 @@ if [ "$mode" = ncu ]; then
     step 200 scripts/ncu_profile.py --target mla --out "$out/ncu" --force
 fi
 if [ "${PACK:-0}" = 1 ]; then
-    tar -czf /tmp/gpu_check.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/gpu_check.tgz "$out/"
+    packed="$(mktemp -d)/gpu_check.tgz"
+    tar -czf "$packed" -C "$out" . && find "$out" -mindepth 1 -delete && mv "$packed" "$out/"
     echo "packed into $out/gpu_check.tgz"
 fi
