@@ -408,3 +408,41 @@ def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
     split_out, split_lse = mla_decode_triton(**args, num_kv_splits=7)
     assert_rel_close("split out", split_out, want_out.float(), TOL[torch.bfloat16])
     assert_rel_close("split lse", split_lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "H", "s_q", "bounds"),
+    [
+        (torch.bfloat16, 64, 128, 1, False),
+        (torch.bfloat16, 64, 16, 4, True),
+        (torch.bfloat16, 128, 32, 2, True),
+        (torch.float16, 128, 64, 1, False),
+        (torch.bfloat16, 64, 96, 4, False),
+    ],
+)
+def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, bounds):
+    """The Gluon warpgroup-MMA kernel (64 tile rows on sm_90) against the reference: partial first and last tiles
+    (sequences of 1 to 65 keys and past a page), per-token bounds including zeros, split-KV, a NaN-poisoned cache."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)  # a small launch: the schedule alone picks the kernel
+    monkeypatch.setitem(decode.SCHEDULES, (2, 64), decode.SCHEDULES[(2, 64)]._replace(wgmma=True))
+    chosen = []
+    wgmma_ok = decode._wgmma_ok
+    monkeypatch.setattr(decode, "_wgmma_ok", lambda *a: chosen.append(wgmma_ok(*a)) or chosen[-1])
+    lens = [max(s_q, n) for n in (1, 63, 64, 65, 130, 700, 3001)]
+    args, _ = make_case(lens, [s_q] * len(lens), H, page_size=page_size, kv_lora=512, rope=64, dtype=dtype,
+                        seed=H + s_q)  # fmt: skip
+    args["scale"] = 192**-0.5
+    if bounds:
+        gen = torch.Generator().manual_seed(s_q)
+        limit = torch.tensor(lens).repeat_interleave(s_q) + 1
+        args["kv_bounds"] = (torch.rand(len(limit), generator=gen) * limit).int().to(DEVICE)
+        args["kv_bounds"][::5] = 0
+    want_out, want_lse = mla_decode_ref(**args)
+    for splits in (None, 3):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close(f"out (splits {splits})", out, want_out.float(), TOL[dtype])
+        assert_rel_close(f"lse (splits {splits})", lse, want_lse, 1e-3)
+    assert chosen == [True, True]

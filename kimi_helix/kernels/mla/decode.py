@@ -26,6 +26,11 @@ from kimi_helix.kernels.device import num_sms
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
 
+try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or newer Tritons may lack them
+    from kimi_helix.kernels.mla import decode_wgmma
+except ImportError:
+    decode_wgmma = None
+
 __all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
 FP8 = torch.float8_e4m3fn
@@ -395,6 +400,26 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
     return c, TensorDescriptor(pe, list(pe.shape), list(pe.stride()), [1, block_n, rope])
 
 
+def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: dict) -> bool:
+    """Whether the Gluon warpgroup-MMA kernel can serve the call: sm_90 (its wgmma and TMA ops), 16-bit q and a
+    cache of the same dtype, one 64-row tile class with 64-key tiles, a rope part, q and two tile buffers within
+    shared memory (kv_lora_rank + rope_dim <= 576), and pages TMA can copy."""
+    rope = kv_cache.shape[2] - kv_lora_rank
+    return (
+        decode_wgmma is not None
+        and q.device.type == "cuda"
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and kv_cache.dtype == q.dtype
+        and cfg["BLOCK_Q"] * cfg["BLOCK_H"] == 64
+        and cfg["BLOCK_N"] == 64
+        and kv_lora_rank >= 32
+        and rope >= 16
+        and kv_lora_rank + rope <= 576
+        and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
+    )
+
+
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"q is on {q.device}: the Triton MLA decode kernel needs CUDA (or TRITON_INTERPRET=1)")
@@ -482,7 +507,8 @@ def mla_decode_triton(
     max_kv = block_table.shape[1] * page_size
     tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])
     use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(*tile)
-    kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma else (None, None)
+    use_wgmma = sched.wgmma and use_tma and _wgmma_ok(q, kv_cache, kv_lora_rank, cfg)
+    kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma and not use_wgmma else (None, None)
     num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
     splits = num_kv_splits or _num_kv_splits(
@@ -494,40 +520,52 @@ def mla_decode_triton(
         part_lse = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
     else:
         part_out, part_lse = out, lse
-    mla_decode_fwd_kernel[(slots * num_head_blocks * splits,)](
-        q,
-        kv_cache,
-        kv_c_desc,
-        kv_pe_desc,
-        kv_scale,
-        block_table,
-        cache_seqlens,
-        cu_seqlens_q,
-        kv_bounds,
-        part_out,
-        part_lse,
-        float(scale) * math.log2(math.e),
-        N,
-        H,
-        num_head_blocks,
-        splits,
-        q.stride(0),
-        q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        PAGE_SIZE=page_size,
-        DC=kv_lora_rank,
-        DR=D - kv_lora_rank,
-        SEQS_POW2=next_pow2(N + 1),
-        COMPUTE_DTYPE=_TL_DTYPE[compute],
-        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
-        IS_FP8=kv_cache.dtype == FP8,
-        HAS_BOUNDS=kv_bounds is not None,
-        SPLIT=splits > 1,
-        USE_TMA=use_tma,
-        **cfg,
-    )
+    qk_scale = float(scale) * math.log2(math.e)
+    grid = (slots * num_head_blocks * splits,)
+    if use_wgmma:
+        kv_c_desc, kv_pe_desc = decode_wgmma.wgmma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
+        decode_wgmma.mla_decode_wgmma_kernel[grid](
+            q, kv_c_desc, kv_pe_desc, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse,
+            qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
+            PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
+            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, SCORES_FIRST=decode_wgmma.SCORES_FIRST,
+            num_warps=8,
+        )  # fmt: skip
+    else:
+        mla_decode_fwd_kernel[grid](
+            q,
+            kv_cache,
+            kv_c_desc,
+            kv_pe_desc,
+            kv_scale,
+            block_table,
+            cache_seqlens,
+            cu_seqlens_q,
+            kv_bounds,
+            part_out,
+            part_lse,
+            qk_scale,
+            N,
+            H,
+            num_head_blocks,
+            splits,
+            q.stride(0),
+            q.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            block_table.stride(0),
+            PAGE_SIZE=page_size,
+            DC=kv_lora_rank,
+            DR=D - kv_lora_rank,
+            SEQS_POW2=next_pow2(N + 1),
+            COMPUTE_DTYPE=_TL_DTYPE[compute],
+            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+            IS_FP8=kv_cache.dtype == FP8,
+            HAS_BOUNDS=kv_bounds is not None,
+            SPLIT=splits > 1,
+            USE_TMA=use_tma,
+            **cfg,
+        )
     if splits > 1:
         block_r = 16
         mla_decode_combine_kernel[(cdiv(T * H, block_r),)](

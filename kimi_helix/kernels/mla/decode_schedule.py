@@ -28,7 +28,8 @@ class Schedule(NamedTuple):
     as that many groups (1, 2 or 4) of kv_lora_rank / d_split columns, each with its own score dot and its own
     [rows, kv_lora_rank / d_split] accumulator, so the tensor cores run independent MMA chains instead of one long
     dependent one (a kv_lora_rank too small for the groups to keep 16 columns each takes the largest split that
-    does)."""
+    does), and wgmma: run the Gluon warpgroup-MMA kernel (`decode_wgmma`) where it can serve the call (see
+    `decode._wgmma_ok`; 64 tile rows, 16-bit q and cache, Hopper) instead of the Triton one."""
 
     block_n: int
     num_warps: int
@@ -38,6 +39,7 @@ class Schedule(NamedTuple):
     min_split_tiles: int = 4
     tma: bool = False
     d_split: int = 1
+    wgmma: bool = False
 
 
 # By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
