@@ -528,8 +528,8 @@ def mla_decode_triton(
             q, kv_c_desc, kv_pe_desc, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse,
             qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
-            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, SCORES_FIRST=decode_wgmma.SCORES_FIRST,
-            num_warps=8,
+            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1,
+            EARLY_COPY=decode_wgmma.EARLY_COPY, num_warps=8,
         )  # fmt: skip
     else:
         mla_decode_fwd_kernel[grid](

@@ -28,11 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["SCORES_FIRST", "mla_decode_wgmma_kernel", "wgmma_descriptors"]
+__all__ = ["mla_decode_wgmma_kernel", "wgmma_descriptors"]
 
-# Issue tile i + 1's score MMAs before tile i's P @ c, so that P @ c runs under the next softmax; otherwise after it,
-# so that the wait for tile i + 1's copy overlaps P @ c.
-SCORES_FIRST = True
+EARLY_COPY = False
 
 _GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
@@ -100,7 +98,7 @@ def mla_decode_wgmma_kernel(
     SEQS_POW2: gl.constexpr,
     HAS_BOUNDS: gl.constexpr,
     SPLIT: gl.constexpr,
-    SCORES_FIRST: gl.constexpr,
+    EARLY_COPY: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     BLOCK_N: gl.constexpr = kv_c_desc.block_type.shape[1]
@@ -198,6 +196,12 @@ def mla_decode_wgmma_kernel(
     for i in range(num_tiles):
         stage = i % 2
         tile_lo = lo + i * BLOCK_N
+        if EARLY_COPY:
+            # P @ c of tile i - 1 finished with tile i's scores: its buffer takes tile i + 1 before the softmax.
+            gl.thread_barrier()
+            if (i >= 1) & (i + 1 < num_tiles):
+                _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, tile_lo + BLOCK_N, hi, bars.index(1 - stage),
+                            c_smem.index(1 - stage), pe_smem.index(1 - stage), PAGE_SIZE, BLOCK_N)  # fmt: skip
         # The scores of tile i are in s (P @ c of tile i - 1 may still run). Softmax in fp32 with exp2, keys past
         # the split or a row's bound masked.
         shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
@@ -216,9 +220,10 @@ def mla_decode_wgmma_kernel(
         # buffer takes tile i + 1 and p_smem this tile's probabilities.
         acc = warpgroup_mma_wait(0, deps=(acc,))
         gl.thread_barrier()
-        if (i >= 1) & (i + 1 < num_tiles):
-            _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, tile_lo + BLOCK_N, hi, bars.index(1 - stage),
-                        c_smem.index(1 - stage), pe_smem.index(1 - stage), PAGE_SIZE, BLOCK_N)  # fmt: skip
+        if not EARLY_COPY:
+            if (i >= 1) & (i + 1 < num_tiles):
+                _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, tile_lo + BLOCK_N, hi, bars.index(1 - stage),
+                            c_smem.index(1 - stage), pe_smem.index(1 - stage), PAGE_SIZE, BLOCK_N)  # fmt: skip
         acc = warpgroup_mma_init(acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None])
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -226,19 +231,20 @@ def mla_decode_wgmma_kernel(
 
         c_now = c_smem.index(stage).reshape([BLOCK_N, DC])
         if i + 1 < num_tiles:
-            mbarrier.wait(bars.index(1 - stage), ((i + 1) // 2) & 1)
-            if SCORES_FIRST:
+            if EARLY_COPY:
+                acc = warpgroup_mma(p_smem, c_now, acc, is_async=True)
+                mbarrier.wait(bars.index(1 - stage), ((i + 1) // 2) & 1)
+                s = _scores_async(q_smem, qpe_smem, c_smem.index(1 - stage), pe_smem.index(1 - stage), s_layout,
+                                  BLOCK_M, BLOCK_N, DC, DR)  # fmt: skip
+                s = warpgroup_mma_wait(0, deps=(s,))
+            else:
                 # Tile i + 1's scores ahead of this tile's P @ c: waiting for the scores alone leaves P @ c running
                 # under the next softmax.
+                mbarrier.wait(bars.index(1 - stage), ((i + 1) // 2) & 1)
                 s = _scores_async(q_smem, qpe_smem, c_smem.index(1 - stage), pe_smem.index(1 - stage), s_layout,
                                   BLOCK_M, BLOCK_N, DC, DR)  # fmt: skip
                 acc = warpgroup_mma(p_smem, c_now, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))
-            else:
-                acc = warpgroup_mma(p_smem, c_now, acc, is_async=True)
-                s = _scores_async(q_smem, qpe_smem, c_smem.index(1 - stage), pe_smem.index(1 - stage), s_layout,
-                                  BLOCK_M, BLOCK_N, DC, DR)  # fmt: skip
-                s = warpgroup_mma_wait(0, deps=(s,))
         else:
             acc = warpgroup_mma(p_smem, c_now, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
