@@ -412,22 +412,28 @@ def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("dtype", "page_size", "H", "s_q", "bounds"),
+    ("dtype", "page_size", "H", "s_q", "bounds", "tiles"),
     [
-        (torch.bfloat16, 64, 128, 1, False),
-        (torch.bfloat16, 64, 16, 4, True),
-        (torch.bfloat16, 128, 32, 2, True),
-        (torch.float16, 128, 64, 1, False),
-        (torch.bfloat16, 64, 96, 4, False),
+        (torch.bfloat16, 64, 128, 1, False, None),
+        (torch.bfloat16, 64, 16, 4, True, None),
+        (torch.bfloat16, 128, 32, 2, True, None),
+        (torch.float16, 128, 64, 1, False, None),
+        (torch.bfloat16, 64, 96, 4, False, None),
+        (torch.bfloat16, 64, 128, 1, True, (32, 3)),
+        (torch.float16, 128, 16, 4, False, (32, 4)),
     ],
 )
-def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, bounds):
+def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, bounds, tiles):
     """The Gluon warpgroup-MMA kernel (64 tile rows on sm_90) against the reference: partial first and last tiles
-    (sequences of 1 to 65 keys and past a page), per-token bounds including zeros, split-KV, a NaN-poisoned cache."""
+    (sequences of 1 to 65 keys and past a page), per-token bounds including zeros, split-KV, a NaN-poisoned cache;
+    the committed schedule, or (keys a tile, buffers) = tiles."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)  # a small launch: the schedule alone picks the kernel
-    monkeypatch.setitem(decode.SCHEDULES, (2, 64), decode.SCHEDULES[(2, 64)]._replace(wgmma=True))
+    sched = decode.SCHEDULES[(2, 64)]._replace(wgmma=True)
+    if tiles is not None:
+        sched = sched._replace(block_n=tiles[0], num_stages=tiles[1])
+    monkeypatch.setitem(decode.SCHEDULES, (2, 64), sched)
     chosen = []
     wgmma_ok = decode._wgmma_ok
     monkeypatch.setattr(decode, "_wgmma_ok", lambda *a: chosen.append(wgmma_ok(*a)) or chosen[-1])

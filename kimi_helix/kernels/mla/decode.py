@@ -400,23 +400,31 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
     return c, TensorDescriptor(pe, list(pe.shape), list(pe.stride()), [1, block_n, rope])
 
 
+# Shared memory a Hopper block may use (227 KB), less room for the kernel's reduction scratch and barriers.
+_WGMMA_SMEM = 227 * 1024 - 2048
+
+
 def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: dict) -> bool:
     """Whether the Gluon warpgroup-MMA kernel can serve the call: sm_90 (its wgmma and TMA ops), 16-bit q and a
-    cache of the same dtype, one 64-row tile class with 64-key tiles, a rope part, q and two tile buffers within
-    shared memory (kv_lora_rank + rope_dim <= 576), and pages TMA can copy."""
+    cache of the same dtype, 64 tile rows, 16 to 64 keys a tile in two or more buffers, a rope part, kv_lora_rank
+    <= 512 (each warpgroup's half of the output is one MMA), q, the tile buffers and P within shared memory, and
+    pages TMA can copy."""
     rope = kv_cache.shape[2] - kv_lora_rank
+    rows, block_n, stages = cfg["BLOCK_Q"] * cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_stages"]
+    smem = 2 * ((rows + stages * block_n) * kv_cache.shape[2] + rows * block_n)
     return (
         decode_wgmma is not None
         and q.device.type == "cuda"
         and torch.cuda.get_device_capability(q.device) == (9, 0)
         and q.dtype in (torch.float16, torch.bfloat16)
         and kv_cache.dtype == q.dtype
-        and cfg["BLOCK_Q"] * cfg["BLOCK_H"] == 64
-        and cfg["BLOCK_N"] == 64
-        and kv_lora_rank >= 32
+        and rows == 64
+        and block_n in (16, 32, 64)
+        and stages >= 2
+        and 32 <= kv_lora_rank <= 512
         and rope >= 16
-        and kv_lora_rank + rope <= 576
-        and _tma_ok(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
+        and smem <= _WGMMA_SMEM
+        and _tma_ok(kv_cache, kv_lora_rank, block_n)
     )
 
 
@@ -529,7 +537,7 @@ def mla_decode_triton(
             qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
             HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1,
-            EARLY_COPY=decode_wgmma.EARLY_COPY, num_warps=8,
+            NUM_STAGES=sched.num_stages, num_warps=8,
         )  # fmt: skip
     else:
         mla_decode_fwd_kernel[grid](
