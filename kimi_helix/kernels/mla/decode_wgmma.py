@@ -176,8 +176,8 @@ def mla_decode_wgmma_kernel(
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    # The first NUM_STAGES - 1 tiles in flight, then the first scores.
-    for t in gl.static_range(NUM_STAGES - 1):
+    # The first NUM_STAGES tiles in flight, then the first scores.
+    for t in gl.static_range(NUM_STAGES):
         if t < num_tiles:
             _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, lo + t * BLOCK_N, hi, bars.index(t), c_smem.index(t),
                         pe_smem.index(t), PAGE_SIZE, BLOCK_N)  # fmt: skip
@@ -191,16 +191,6 @@ def mla_decode_wgmma_kernel(
     for i in range(num_tiles):
         stage = i % NUM_STAGES
         tile_lo = lo + i * BLOCK_N
-        # Every MMA so far has finished (each warpgroup waited for its own; the barrier joins them), so the buffer
-        # of tile i - 1 takes tile i + NUM_STAGES - 1 now, a softmax and two MMAs before tile i + 1 is needed:
-        # copying later leaves its latency exposed (run 18: 0.95 ms against 0.81 at H=128).
-        gl.thread_barrier()
-        ahead = i + NUM_STAGES - 1
-        if ahead < num_tiles:
-            free = ahead % NUM_STAGES
-            _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, lo + ahead * BLOCK_N, hi, bars.index(free),
-                        c_smem.index(free), pe_smem.index(free), PAGE_SIZE, BLOCK_N)  # fmt: skip
-
         # Softmax of tile i's scores in fp32 with exp2, keys past the split or a row's bound masked.
         shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
         n = tile_lo - shift + gl.arange(0, BLOCK_N, layout=key_layout)
@@ -218,14 +208,23 @@ def mla_decode_wgmma_kernel(
         fence_async_shared()
         gl.thread_barrier()
 
-        # P @ c of tile i, then the scores of tile i + 1 behind it on the tensor cores.
+        # P @ c of tile i, then tile i + 1's scores behind it on the tensor cores. As soon as P @ c is done in
+        # both warpgroups (each waits for its own, the barrier joins them), tile i's buffer takes tile
+        # i + NUM_STAGES: its copy then has the next scores, softmax and P @ c to land in. Copying only once the
+        # next scores are done too left the copy's latency exposed (run 18: H=32, s_q=4 ...).
         o = warpgroup_mma(p_smem, c_smem.index(stage).reshape([BLOCK_N, DC]), acc, is_async=True)
         if i + 1 < num_tiles:
             nxt = (i + 1) % NUM_STAGES
             mbarrier.wait(bars.index(nxt), ((i + 1) // NUM_STAGES) & 1)
-            s = _scores_async(q_smem, qpe_smem, c_smem.index(nxt), pe_smem.index(nxt), s_layout, BLOCK_M, BLOCK_N,
-                              DC, DR)  # fmt: skip
-            acc, s = warpgroup_mma_wait(0, deps=(o, s))
+            s_next = _scores_async(q_smem, qpe_smem, c_smem.index(nxt), pe_smem.index(nxt), s_layout, BLOCK_M,
+                                   BLOCK_N, DC, DR)  # fmt: skip
+            acc = warpgroup_mma_wait(2, deps=(o,))  # the score MMAs (two groups) may still run
+            gl.thread_barrier()
+            ahead = i + NUM_STAGES
+            if ahead < num_tiles:
+                _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, lo + ahead * BLOCK_N, hi, bars.index(stage),
+                            c_smem.index(stage), pe_smem.index(stage), PAGE_SIZE, BLOCK_N)  # fmt: skip
+            s = warpgroup_mma_wait(0, deps=(s_next,))
         else:
             acc = warpgroup_mma_wait(0, deps=(o,))
 
