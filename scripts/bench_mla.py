@@ -111,6 +111,8 @@ def main(argv=None) -> list[dict]:
     mode.add_argument("--quick", action="store_true", help="a subset plus the target cases")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter): checks it runs")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
+    ap.add_argument("--backends", nargs="+", choices=("triton", "torch"), default=["triton", "torch"],
+                    help="what to time (the torch reference only on cases of up to REF_MAX_B sequences)")  # fmt: skip
     for key in GRID:
         ap.add_argument(f"--{key.replace('_', '-')}", nargs="+", type=str if key == "kv" else int, help="override")
     args = ap.parse_args(argv)
@@ -122,8 +124,8 @@ def main(argv=None) -> list[dict]:
     cases = list(itertools.product(grid["b"], grid["h"], grid["s_q"], grid["s_k"], grid["kv"]))
     if args.quick:
         cases += [c for c in TARGETS if c not in cases]
-    runs = [(c, "triton") for c in cases]
-    if not args.quick:
+    runs = [(c, "triton") for c in cases] if "triton" in args.backends else []
+    if not args.quick and "torch" in args.backends:
         runs += [(c, "torch") for c in (cases[:2] if args.smoke else [c for c in cases if c[0] <= REF_MAX_B])]
 
     copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)

@@ -77,7 +77,10 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: 
     # multiples of 16 elements. Without these hints Triton cannot vectorise loads or issue cp.async.
     aligned = [i for i, (name, ty) in enumerate(signature.items()) if ty.startswith("*") or name.startswith("stride_")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
     kernel = triton.compile(src, target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +146,26 @@ def mla_cases() -> list[tuple]:
         name = f"mla decode {'fp8' if fp8 else 'bf16'} KV, {rows} rows x {sched.block_n} keys{groups}"
         name += ", TMA" if tma else ""
         cases.append((name, decode.mla_decode_fwd_kernel, c, sched.num_warps, sched.num_stages, overrides, None))
+    sched = decode.SCHEDULES[(2, 64)]
+    if sched.wgmma and decode.decode_wgmma is not None:
+        cases.append(mla_wgmma_case(sched.block_n, sched.num_stages))
     return cases
+
+
+def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64) -> tuple:
+    """The Gluon warpgroup-MMA MLA decode kernel (64 rows, bf16, kv_lora_rank 512, rope 64, split KV) with
+    block_n-key tiles in num_stages buffers, as a case of `main`'s table."""
+    from triton.experimental.gluon import language as gl
+
+    def desc(width):
+        layout = gl.NVMMASharedLayout.get_default_for([1, block_n, width], gl.bfloat16)
+        return f"tensordesc<bf16[1, {block_n}, {width}],{layout!r}>"
+
+    c = dict(PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_Q=1, SEQS_POW2=256, HAS_BOUNDS=False, SPLIT=True,
+             NUM_STAGES=num_stages)  # fmt: skip
+    name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, Gluon wgmma"
+    overrides = dict(kv_c_desc=desc(512), kv_pe_desc=desc(64))
+    return name, decode.decode_wgmma.mla_decode_wgmma_kernel, c, 8, num_stages, overrides, None
 
 
 def main(argv=None) -> list[dict]:

@@ -410,6 +410,36 @@ def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
     assert_rel_close("split lse", split_lse, want_lse, 1e-3)
 
 
+@pytest.mark.skipif(decode.decode_wgmma is None, reason="this Triton has no Gluon Hopper ops")
+def test_wgmma_kernel_compiles_for_sm90_within_shared_memory():
+    """The Gluon kernel compiles for sm_90 (no GPU needed) at the committed schedule and at 32-key tiles in 3
+    buffers; the host's shared-memory estimate (what `_wgmma_ok` gates on) stays within 2 KB of what the compiler
+    allocates, so a schedule whose buffers overflow (64-key tiles in 3 buffers) is refused before launch."""
+    import json
+    import subprocess
+    import sys
+
+    sched = decode.SCHEDULES[(2, 64)]
+    assert sched.wgmma
+    tiles = [(sched.block_n, sched.num_stages), (32, 3), (64, 3)]
+    # Compiled in a fresh process without the interpreter (which this one runs under: kernels decorated in it
+    # cannot compile for a GPU).
+    code = (
+        "import json, sys; import kernel_resources as kr; "
+        f"print(json.dumps([kr.resources(*[kr.mla_wgmma_case(n, s)[i] for i in (1, 2, 3, 4, 5)])['shared'] "
+        f"for n, s in {tiles!r}]))"
+    )
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([scripts, *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (block_n, stages), shared in zip(tiles, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
+        estimate = decode._wgmma_smem(64, block_n, stages, 576)
+        assert estimate <= shared <= estimate + 2048, (block_n, stages, shared)
+        assert (estimate <= decode._WGMMA_SMEM) == (shared <= 227 * 1024), (block_n, stages, shared)
+    assert decode._wgmma_smem(64, sched.block_n, sched.num_stages, 576) <= decode._WGMMA_SMEM
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("dtype", "page_size", "H", "s_q", "bounds", "tiles"),

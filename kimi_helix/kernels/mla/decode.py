@@ -404,6 +404,12 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
 _WGMMA_SMEM = 227 * 1024 - 2048
 
 
+def _wgmma_smem(rows: int, block_n: int, stages: int, width: int) -> int:
+    """Bytes of shared memory the wgmma kernel allocates for its tiles: q [rows, width], the key tiles
+    [stages, block_n, width] and P [rows, block_n], 16-bit."""
+    return 2 * ((rows + stages * block_n) * width + rows * block_n)
+
+
 def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: dict) -> bool:
     """Whether the Gluon warpgroup-MMA kernel can serve the call: sm_90 (its wgmma and TMA ops), 16-bit q and a
     cache of the same dtype, 64 tile rows, 16 to 64 keys a tile in two or more buffers, a rope part, kv_lora_rank
@@ -411,7 +417,7 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
     pages TMA can copy."""
     rope = kv_cache.shape[2] - kv_lora_rank
     rows, block_n, stages = cfg["BLOCK_Q"] * cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_stages"]
-    smem = 2 * ((rows + stages * block_n) * kv_cache.shape[2] + rows * block_n)
+    smem = _wgmma_smem(rows, block_n, stages, kv_cache.shape[2])
     return (
         decode_wgmma is not None
         and q.device.type == "cuda"
