@@ -31,7 +31,7 @@ try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or ne
 except ImportError:
     decode_wgmma = decode_wgmma_ws = None
 
-WARP_SPECIALIZED = True
+WARP_SPECIALIZED = False
 
 __all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
