@@ -153,8 +153,9 @@ def mla_cases() -> list[tuple]:
 
 
 def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64) -> tuple:
-    """The Gluon warpgroup-MMA MLA decode kernel (64 rows, bf16, kv_lora_rank 512, rope 64, split KV) with
-    block_n-key tiles in num_stages buffers, as a case of `main`'s table."""
+    """The warp-specialised Gluon MLA decode kernel (64 rows, bf16, kv_lora_rank 512, rope 64, split KV) with
+    block_n-key tiles in num_stages buffers, as a case of `main`'s table (registers: the launch's share; its
+    partitions then re-divide them)."""
     from triton.experimental.gluon import language as gl
 
     def desc(width):
@@ -163,9 +164,9 @@ def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64) -> tuple:
 
     c = dict(PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_Q=1, SEQS_POW2=256, HAS_BOUNDS=False, SPLIT=True,
              NUM_STAGES=num_stages)  # fmt: skip
-    name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, Gluon wgmma"
-    overrides = dict(kv_c_desc=desc(512), kv_pe_desc=desc(64))
-    return name, decode.decode_wgmma.mla_decode_wgmma_kernel, c, 8, num_stages, overrides, None
+    name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, Gluon wgmma (warp-specialised)"
+    overrides = dict(kv_c_desc=desc(256), kv_pe_desc=desc(64))
+    return name, decode.decode_wgmma.mla_decode_wgmma_kernel, c, 4, num_stages, overrides, None
 
 
 def main(argv=None) -> list[dict]:

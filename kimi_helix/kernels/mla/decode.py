@@ -27,11 +27,9 @@ from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
 
 try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or newer Tritons may lack them
-    from kimi_helix.kernels.mla import decode_wgmma, decode_wgmma_ws
+    from kimi_helix.kernels.mla import decode_wgmma
 except ImportError:
-    decode_wgmma = decode_wgmma_ws = None
-
-WARP_SPECIALIZED = False
+    decode_wgmma = None
 
 __all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
@@ -539,16 +537,13 @@ def mla_decode_triton(
     qk_scale = float(scale) * math.log2(math.e)
     grid = (slots * num_head_blocks * splits,)
     if use_wgmma:
-        module = decode_wgmma_ws if WARP_SPECIALIZED else decode_wgmma
-        describe = module.ws_descriptors if WARP_SPECIALIZED else module.wgmma_descriptors
-        kernel = module.mla_decode_ws_kernel if WARP_SPECIALIZED else module.mla_decode_wgmma_kernel
-        kv_c_desc, kv_pe_desc = describe(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
-        kernel[grid](
+        kv_c_desc, kv_pe_desc = decode_wgmma.wgmma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
+        decode_wgmma.mla_decode_wgmma_kernel[grid](
             q, kv_c_desc, kv_pe_desc, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse,
             qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
             HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, NUM_STAGES=sched.num_stages,
-            num_warps=4 if WARP_SPECIALIZED else 8,
+            num_warps=4,  # the parent and scores warpgroup; the kernel adds its output warpgroup and loader warp
         )  # fmt: skip
     else:
         mla_decode_fwd_kernel[grid](

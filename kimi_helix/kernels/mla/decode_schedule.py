@@ -64,11 +64,12 @@ SCHEDULES = {
     # 32 rows (H=32): 0.459 ms against 0.541 with 1 group (tune_mla_decode.py, 9 candidates: 64 or 128 keys,
     # slack 0 or 8, 1/2/4 groups). 64 rows with TMA (H=128): the fastest of 6 candidates (32 or 64 keys, 1/2/4
     # groups) keeps 1 group (1.122 ms). Run 18: the Gluon warpgroup-MMA kernel (`decode_wgmma`) at 64 rows on sm_90,
-    # 64-key tiles in 2 buffers (32-key tiles in 3 or 4 buffers took 1.11-1.14 ms at H=128), 4 programs an SM:
-    # H=128 0.815 ms (2 programs 0.804, 8 0.827), H=32 s_q=4 0.806 (2: 0.867), H=16 s_q=4 0.452 (2: 0.449).
+    # 64-key tiles in 2 buffers (32-key tiles in 3 or 4 buffers took 1.11-1.14 ms at H=128). Its warp-specialised
+    # form (a scores warpgroup, an output warpgroup, a loader warp; call 6), 2 programs an SM (4 took 1-4% longer):
+    # H=128 0.657 ms, H=32 s_q=4 0.662, H=16 s_q=4 0.402, H=64 0.402. num_warps does not apply to it (4 + 4 + 1).
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
-    (2, 64): Schedule(64, 8, 2, 0.0, min_waves=4, tma=True, wgmma=True),
+    (2, 64): Schedule(64, 8, 2, 0.0, min_waves=2, tma=True, wgmma=True),
     (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
     (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
     (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),

@@ -1,18 +1,22 @@
-"""Gluon kernel for absorbed-MLA decode and verify at 64 tile rows on Hopper (sm_90): explicit warpgroup MMAs.
+"""Warp-specialised Gluon kernel for absorbed-MLA decode and verify at 64 tile rows on Hopper (sm_90).
 
 At 64 rows (H >= 64, or H x s_q = 64 in verify) the Triton kernel (`decode.mla_decode_fwd_kernel`) is bound by how
 Triton lays out its score dot: with 8 warps and a dot chained into another, every warp goes along M, so both
-warpgroups compute the whole [64, BLOCK_N] score tile (twice the tensor work) with 32-wide MMAs that each read their
-q rows from shared memory again. Gluon (Triton's explicit-layout dialect) lets this kernel choose instead: each
-warpgroup computes the scores of half of a tile's keys, the probabilities go through shared memory to both, and
-each warpgroup accumulates half of the kv_lora_rank output columns. MMAs are asynchronous with explicit waits:
-tile i + 1's scores queue behind tile i's P @ c, and tile i's buffer takes the copy of tile i + NUM_STAGES as soon
-as its P @ c is done (run 18, b=128, s_k=8192: H=128 1.12 ms -> 0.80, H=16 s_q=4 0.64 -> 0.44).
+warpgroups compute the whole [64, BLOCK_N] score tile (twice the tensor work) with 32-wide MMAs that each read
+their q rows from shared memory again, and nothing overlaps the softmax. Gluon (Triton's explicit-layout dialect)
+lets this kernel split the work by role instead. Three partitions share each tile of a sequence's latents:
+- a loader warp copies tiles by TMA into NUM_STAGES buffers, each as two column halves of c and the rope part;
+- the scores warpgroup (the default partition) computes a tile's whole [64, BLOCK_N] score block with 64-key MMAs
+  (one A read of q per 64 keys instead of two), its softmax, and P @ c for the first half of the output columns;
+- the output warpgroup computes P @ c for the second half, from P and the rescale factors the scores warpgroup
+  leaves in shared memory.
+So the softmax of one warpgroup runs while the other's MMAs use the tensor cores. Run 18 (H200, b=128, s_k=8192,
+bf16): H=128 1.12 ms (Triton) -> 0.79 (two warpgroups splitting every tile's keys and columns alike) -> 0.66 here.
 
 Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by `decode.mla_decode_combine_kernel`)
 for 16-bit q with a cache of the same dtype whose pages TMA can copy; `decode._wgmma_ok` says when it serves a call.
 Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/test_mla_decode.py::test_gpu_wgmma_kernel` checks
-this one against the torch reference on the GPU.
+this one against the torch reference on the GPU, and a CPU test compiles it for sm_90.
 """
 
 from __future__ import annotations
@@ -32,18 +36,18 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 __all__ = ["mla_decode_wgmma_kernel", "wgmma_descriptors"]
 
 _GL_DTYPE = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-# Names that changed after Triton 3.6 (the GPU image's): a barrier of every thread of the CTA, and a TMA tile load.
+# Names that changed after Triton 3.6 (the GPU image's): a barrier of a partition's threads, and a TMA tile load.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 def wgmma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int):
-    """TMA descriptors of the pages [num_pages, page_size, D]: [1, block_n, kv_lora_rank] tiles of c and
-    [1, block_n, rope_dim] tiles of k_pe, in the shared-memory layouts the kernel's MMAs read. Rows outside a page
-    read as zeros."""
+    """TMA descriptors of the pages [num_pages, page_size, D]: [1, block_n, kv_lora_rank / 2] tiles of c (loaded
+    at column 0 and kv_lora_rank / 2) and [1, block_n, rope_dim] tiles of k_pe. Rows outside a page read as
+    zeros."""
     dtype = _GL_DTYPE[kv_cache.dtype]
     rope = kv_cache.shape[2] - kv_lora_rank
-    c_block, pe_block = [1, block_n, kv_lora_rank], [1, block_n, rope]
+    c_block, pe_block = [1, block_n, kv_lora_rank // 2], [1, block_n, rope]
     c = TensorDescriptor(kv_cache, list(kv_cache.shape), list(kv_cache.stride()), c_block,
                          gl.NVMMASharedLayout.get_default_for(c_block, dtype))  # fmt: skip
     pe = kv_cache[..., kv_lora_rank:]
@@ -53,26 +57,149 @@ def wgmma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int):
 
 
 @gluon.jit
-def _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, tile_lo, hi, bar, c_buf, pe_buf, PAGE_SIZE: gl.constexpr,
-                BLOCK_N: gl.constexpr):  # fmt: skip
-    """Start the TMA copy of the tile of keys [tile_lo, tile_lo + BLOCK_N) into (c_buf, pe_buf), arriving on bar.
-    A partial last tile is read as the window ending at hi, as in the Triton kernel: never the stale rows past a
-    sequence's end (0 * NaN in P @ V would poison rows), but masked keys before it or TMA's zeros before the page."""
-    shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
-    page = gl.load(pages_ptr + tile_lo // PAGE_SIZE)
-    row = tile_lo % PAGE_SIZE - shift
-    mbarrier.expect(bar, kv_c_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
-    _tma_load(kv_c_desc, [page, row, 0], bar, c_buf)
-    _tma_load(kv_pe_desc, [page, row, 0], bar, pe_buf)
+def _load_partition(kv_c_desc, kv_pe_desc, pages_ptr, lo, hi, num_tiles, clo_smem, chi_smem, pe_smem, kv_ready,
+                    kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+    """Copy the split's tiles into the buffers as the two warpgroups free them. A partial last tile is read as the
+    window ending at hi, as in the Triton kernel: never the stale rows past a sequence's end (0 * NaN in P @ V
+    would poison rows), but masked keys before it or TMA's zeros before the page."""
+    DH: gl.constexpr = kv_c_desc.block_type.shape[2]
+    for t in range(num_tiles):
+        stage = t % NUM_STAGES
+        if t >= NUM_STAGES:
+            mbarrier.wait(kv_free.index(stage), ((t - NUM_STAGES) // NUM_STAGES) & 1)
+        tile_lo = lo + t * BLOCK_N
+        shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
+        page = gl.load(pages_ptr + tile_lo // PAGE_SIZE)
+        row = tile_lo % PAGE_SIZE - shift
+        bar = kv_ready.index(stage)
+        mbarrier.expect(bar, 2 * kv_c_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
+        _tma_load(kv_c_desc, [page, row, 0], bar, clo_smem.index(stage))
+        _tma_load(kv_c_desc, [page, row, DH], bar, chi_smem.index(stage))
+        _tma_load(kv_pe_desc, [page, row, 0], bar, pe_smem.index(stage))
 
 
 @gluon.jit
-def _scores_async(q_smem, qpe_smem, c_buf, pe_buf, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr):  # fmt: skip
-    """Issue q_c @ c^T + q_pe @ pe^T for one tile ([BLOCK_M, BLOCK_N] fp32, not yet waited for)."""
+def _scores_async(qlo_smem, qhi_smem, qpe_smem, clo_buf, chi_buf, pe_buf, s_layout: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DH: gl.constexpr, DR: gl.constexpr):  # fmt: skip
+    """Issue q_c @ c^T + q_pe @ pe^T for one tile ([BLOCK_M, BLOCK_N] fp32, three MMA groups, not waited for)."""
     s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma(q_smem, c_buf.reshape([BLOCK_N, DC]).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qlo_smem, clo_buf.reshape([BLOCK_N, DH]).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qhi_smem, chi_buf.reshape([BLOCK_N, DH]).permute((1, 0)), s, is_async=True)
     return warpgroup_mma(qpe_smem, pe_buf.reshape([BLOCK_N, DR]).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _scores_partition(qlo_smem, qhi_smem, qpe_smem, clo_smem, chi_smem, pe_smem, p_smem, alpha_smem, l_smem,
+                      kv_ready, kv_free, p_ready, p_free, done, bound, out_row, row_ok, lo, hi, num_tiles, qk_scale,
+                      out_ptr, lse_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr):  # fmt: skip
+    """Scores, softmax and the first half of the output columns; writes lse and its half of out."""
+    DH: gl.constexpr = qlo_smem.shape[1]
+    DR: gl.constexpr = qpe_smem.shape[1]
+    # One warpgroup's score tile and output half.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DH, 16])  # fmt: skip
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M, DH], gl.float32, o_layout)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    if num_tiles > 0:
+        mbarrier.wait(kv_ready.index(0), 0)
+        s = _scores_async(qlo_smem, qhi_smem, qpe_smem, clo_smem.index(0), chi_smem.index(0), pe_smem.index(0),
+                          s_layout, BLOCK_M, BLOCK_N, DH, DR)  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s,))
+
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        tile_lo = lo + i * BLOCK_N
+        # Softmax of tile i's scores in fp32 with exp2, keys past the split or a row's bound masked. A warp holds
+        # whole rows, so the row max and sum stay within it.
+        shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
+        n = tile_lo - shift + gl.arange(0, BLOCK_N, layout=key_layout)
+        visible = (n >= tile_lo)[None, :] & (n[None, :] < bound[:, None])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # Rows with no visible key so far keep m = -inf; offsetting by 0 keeps exp2 away from -inf - -inf.
+        m_off = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_off)
+        p = gl.exp2(s - m_off[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+
+        # P and alpha for the output warpgroup, once it is done with tile i - 1's.
+        mbarrier.wait(p_free, (i + 1) & 1, pred=i > 0)
+        p_smem.store(p.to(p_smem.dtype))
+        alpha_smem.store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready, count=1)
+
+        # This half of P @ c, then tile i + 1's scores behind it; tile i's buffer is released once both are done
+        # with it (the output warpgroup arrives too).
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_smem, clo_smem.index(stage).reshape([BLOCK_N, DH]), acc, is_async=True)
+        if i + 1 < num_tiles:
+            nxt = (i + 1) % NUM_STAGES
+            mbarrier.wait(kv_ready.index(nxt), ((i + 1) // NUM_STAGES) & 1)
+            s_next = _scores_async(qlo_smem, qhi_smem, qpe_smem, clo_smem.index(nxt), chi_smem.index(nxt),
+                                   pe_smem.index(nxt), s_layout, BLOCK_M, BLOCK_N, DH, DR)  # fmt: skip
+            acc = warpgroup_mma_wait(3, deps=(o,))  # the three score groups may still run
+            _cta_barrier()
+            mbarrier.arrive(kv_free.index(stage), count=1)
+            s = warpgroup_mma_wait(0, deps=(s_next,))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(o,))
+
+    has_keys = l_i > 0
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    l_smem.store(l_safe)
+    _cta_barrier()
+    mbarrier.arrive(done, count=1)
+    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    gl.store(lse_ptr + out_row, lse, mask=row_ok)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
+    oc = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    o_row = gl.convert_layout(out_row, o_rows)
+    o_ok = gl.convert_layout(row_ok, o_rows)
+    gl.store(out_ptr + o_row[:, None] * (2 * DH) + oc[None, :], out.to(out_ptr.dtype.element_ty), mask=o_ok[:, None])
+
+
+@gluon.jit
+def _output_partition(p_smem, chi_smem, alpha_smem, l_smem, kv_free, p_ready, p_free, done, num_tiles, tok0, q_hi,
+                      head_block, num_heads, num_splits, split, out_ptr, BLOCK_H: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """The second half of the output columns: P @ c from what the scores warpgroup leaves in shared memory."""
+    DH: gl.constexpr = chi_smem.shape[3]
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DH, 16])  # fmt: skip
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([BLOCK_M, DH], gl.float32, o_layout)
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        mbarrier.wait(p_ready, i & 1)
+        acc = acc * alpha_smem.load(o_rows)[:, None]
+        o = warpgroup_mma(p_smem, chi_smem.index(stage).reshape([BLOCK_N, DH]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o,))
+        _cta_barrier()
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(stage), count=1)
+
+    mbarrier.wait(done, 0)
+    rows = gl.arange(0, BLOCK_M, layout=o_rows)
+    tok = tok0 + rows // BLOCK_H
+    head = head_block * BLOCK_H + rows % BLOCK_H
+    row_ok = (tok < q_hi) & (head < num_heads)
+    row = tok.to(gl.int64) * num_heads + head
+    if SPLIT:
+        row = row * num_splits + split
+    out = acc / l_smem.load(o_rows)[:, None]
+    oc = DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + row[:, None] * (2 * DH) + oc[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @gluon.jit
@@ -104,22 +231,17 @@ def mla_decode_wgmma_kernel(
 ):
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     BLOCK_N: gl.constexpr = kv_c_desc.block_type.shape[1]
-    DC: gl.constexpr = kv_c_desc.block_type.shape[2]
+    DH: gl.constexpr = kv_c_desc.block_type.shape[2]
     DR: gl.constexpr = kv_pe_desc.block_type.shape[2]
     dtype: gl.constexpr = kv_c_desc.dtype
-    NW: gl.constexpr = gl.num_warps()
-    gl.static_assert(NW == 8, "two warpgroups: one per half of the keys (scores) and of the columns (output)")
+    gl.static_assert(gl.num_warps() == 4, "the parent and the scores partition are one warpgroup")
     gl.static_assert(BLOCK_M == 64, "one wgmma row block")
-
-    # Scores: the warpgroups split the tile's keys. Output: they split the latent's columns.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_N // 2, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, DC // 2, 16])  # fmt: skip
+    # The scores partition's score tile (its rows, the bounds and output rows below, are computed here).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
     # Which sequence, query tokens, heads and split this program owns: as in the Triton kernel.
     pid = gl.program_id(0)
@@ -152,100 +274,62 @@ def mla_decode_wgmma_kernel(
     lo = split * split_len
     hi = gl.minimum(lo + split_len, gl.max(bound, axis=0))
     bound = gl.minimum(bound, hi)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    out_row = tok.to(gl.int64) * num_heads + head
+    if SPLIT:
+        out_row = out_row * num_splits + split
 
-    # q into shared memory once: the A operand of every score MMA.
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DC], gl.NVMMASharedLayout.get_default_for([BLOCK_M, DC], dtype))
+    # q into shared memory once, as the A operands of the score MMAs: two column halves of q_c, then q_pe.
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], dtype)
+    qlo_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DH], q_layout)
+    qhi_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DH], q_layout)
     qpe_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DR],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, DR], dtype))  # fmt: skip
     io_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
     io_tok = tok0 + io_rows // BLOCK_H
     io_head = head_block * BLOCK_H + io_rows % BLOCK_H
     io_ok = ((io_tok < q_hi) & (io_head < num_heads))[:, None]
-    q_row = q_ptr + io_tok.to(gl.int64) * stride_qt + io_head * stride_qh
-    dc = gl.arange(0, DC, layout=gl.SliceLayout(0, io_layout))
-    dr = gl.arange(0, DR, layout=gl.SliceLayout(0, io_layout))
-    q_smem.store(gl.load(q_row[:, None] + dc[None, :], mask=io_ok, other=0.0))
-    qpe_smem.store(gl.load(q_row[:, None] + DC + dr[None, :], mask=io_ok, other=0.0))
+    q_row = (q_ptr + io_tok.to(gl.int64) * stride_qt + io_head * stride_qh)[:, None]
+    dh = gl.arange(0, DH, layout=gl.SliceLayout(0, io_layout))[None, :]
+    dr = gl.arange(0, DR, layout=gl.SliceLayout(0, io_layout))[None, :]
+    qlo_smem.store(gl.load(q_row + dh, mask=io_ok, other=0.0))
+    qhi_smem.store(gl.load(q_row + DH + dh, mask=io_ok, other=0.0))
+    qpe_smem.store(gl.load(q_row + 2 * DH + dr, mask=io_ok, other=0.0))
 
-    c_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, DC], kv_c_desc.layout)
+    clo_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, DH], kv_c_desc.layout)
+    chi_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, DH], kv_c_desc.layout)
     pe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_N, DR], kv_pe_desc.layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))  # fmt: skip
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(st), count=1)
+        mbarrier.init(kv_ready.index(st), count=1)
+        mbarrier.init(kv_free.index(st), count=2)  # both warpgroups
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(done, count=1)
     fence_async_shared()
     _cta_barrier()
 
     pages_ptr = block_table_ptr + seq * stride_bt
-    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    # The first NUM_STAGES tiles in flight, then the first scores.
-    for t in gl.static_range(NUM_STAGES):
-        if t < num_tiles:
-            _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, lo + t * BLOCK_N, hi, bars.index(t), c_smem.index(t),
-                        pe_smem.index(t), PAGE_SIZE, BLOCK_N)  # fmt: skip
-    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    if num_tiles > 0:
-        mbarrier.wait(bars.index(0), 0)
-        s = _scores_async(q_smem, qpe_smem, c_smem.index(0), pe_smem.index(0), s_layout, BLOCK_M, BLOCK_N, DC, DR)
-        s = warpgroup_mma_wait(0, deps=(s,))
-
-    acc = gl.zeros([BLOCK_M, DC], gl.float32, o_layout)
-    for i in range(num_tiles):
-        stage = i % NUM_STAGES
-        tile_lo = lo + i * BLOCK_N
-        # Softmax of tile i's scores in fp32 with exp2, keys past the split or a row's bound masked.
-        shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
-        n = tile_lo - shift + gl.arange(0, BLOCK_N, layout=key_layout)
-        visible = (n >= tile_lo)[None, :] & (n[None, :] < bound[:, None])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        # Rows with no visible key so far keep m = -inf; offsetting by 0 keeps exp2 away from -inf - -inf.
-        m_off = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_off)
-        p = gl.exp2(s - m_off[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        _cta_barrier()
-
-        # P @ c of tile i, then tile i + 1's scores behind it on the tensor cores. As soon as P @ c is done in
-        # both warpgroups (each waits for its own, the barrier joins them), tile i's buffer takes tile
-        # i + NUM_STAGES: its copy then has the next scores, softmax and P @ c to land in. (Run 18: copying after
-        # the softmax took H=128 0.95 ms, before it 0.81, here 0.80.)
-        o = warpgroup_mma(p_smem, c_smem.index(stage).reshape([BLOCK_N, DC]), acc, is_async=True)
-        if i + 1 < num_tiles:
-            nxt = (i + 1) % NUM_STAGES
-            mbarrier.wait(bars.index(nxt), ((i + 1) // NUM_STAGES) & 1)
-            s_next = _scores_async(q_smem, qpe_smem, c_smem.index(nxt), pe_smem.index(nxt), s_layout, BLOCK_M,
-                                   BLOCK_N, DC, DR)  # fmt: skip
-            acc = warpgroup_mma_wait(2, deps=(o,))  # the score MMAs (two groups) may still run
-            _cta_barrier()
-            ahead = i + NUM_STAGES
-            if ahead < num_tiles:
-                _issue_tile(kv_c_desc, kv_pe_desc, pages_ptr, lo + ahead * BLOCK_N, hi, bars.index(stage),
-                            c_smem.index(stage), pe_smem.index(stage), PAGE_SIZE, BLOCK_N)  # fmt: skip
-            s = warpgroup_mma_wait(0, deps=(s_next,))
-        else:
-            acc = warpgroup_mma_wait(0, deps=(o,))
-
-    for st in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(bars.index(st))
-    has_keys = l_i > 0
-    l_safe = gl.where(has_keys, l_i, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    row = tok.to(gl.int64) * num_heads + head
-    if SPLIT:
-        row = row * num_splits + split
-    gl.store(lse_ptr + row, lse, mask=row_ok)
-
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    out = acc / gl.convert_layout(l_safe, o_rows)[:, None]
-    o_row = gl.convert_layout(row, o_rows)
-    o_ok = gl.convert_layout(row_ok, o_rows)
-    oc = gl.arange(0, DC, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + o_row[:, None] * DC + oc[None, :], out.to(out_ptr.dtype.element_ty), mask=o_ok[:, None])
+    gl.warp_specialize(
+        [
+            (_scores_partition, (qlo_smem, qhi_smem, qpe_smem, clo_smem, chi_smem, pe_smem, p_smem, alpha_smem, l_smem,
+                                 kv_ready, kv_free, p_ready, p_free, done, bound, out_row, row_ok, lo, hi, num_tiles,
+                                 qk_scale, out_ptr, lse_ptr, BLOCK_M, BLOCK_N, NUM_STAGES)),
+            (_output_partition, (p_smem, chi_smem, alpha_smem, l_smem, kv_free, p_ready, p_free, done, num_tiles, tok0,
+                                 q_hi, head_block, num_heads, num_splits, split, out_ptr, BLOCK_H, BLOCK_M, BLOCK_N,
+                                 NUM_STAGES, SPLIT)),
+            (_load_partition, (kv_c_desc, kv_pe_desc, pages_ptr, lo, hi, num_tiles, clo_smem, chi_smem, pe_smem,
+                               kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES)),
+        ],
+        [4, 1],
+        [208, 40],
+    )  # fmt: skip
