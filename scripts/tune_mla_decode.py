@@ -3,7 +3,8 @@ split targets on a GPU.
 
     python scripts/tune_mla_decode.py --out $OUT            # the target cases of bench_mla.py, a few minutes
     python scripts/tune_mla_decode.py --smoke               # three candidates on tiny shapes (CPU interpreter)
-    python scripts/tune_mla_decode.py --tma --out $OUT      # schedules whose whole tiles TMA copies
+    python scripts/tune_mla_decode.py --tma --out $OUT      # schedules whose whole tiles TMA copies (at 64 rows
+                                                            # also the Gluon kernel's, Schedule.wgmma)
 
 For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
 bytes and tile rows), and the committed one, each splitting for 2 programs an SM; then the best three and the
@@ -57,7 +58,11 @@ def candidates(rows: int, smoke: bool, tma: bool) -> list[decode.Schedule]:
     # inside bench_mla.py's 64-key pages.
     block_ns = (32, 64) if rows == 64 or tma else (64, 128)
     grid = itertools.product(block_ns, (4, 8), (2, 3), (0.0, 8.0), decode.D_SPLITS)
-    return [decode.Schedule(n, w, st, slack, tma=tma, d_split=d) for n, w, st, slack, d in grid]
+    cands = [decode.Schedule(n, w, st, slack, tma=tma, d_split=d) for n, w, st, slack, d in grid]
+    if rows == 64 and tma:
+        # The Gluon kernel's tiles and buffers (its warps are fixed; run 18 timed these three).
+        cands += [decode.Schedule(n, 8, st, 0.0, tma=True, wgmma=True) for n, st in ((64, 2), (32, 3), (32, 4))]
+    return cands
 
 
 def sweep(case, smoke: bool, tma: bool = False) -> list[decode.Schedule]:
