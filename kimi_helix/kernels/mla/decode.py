@@ -9,7 +9,9 @@ MMA chains rather than one long dependent one. When sequences x head blocks cann
 keys are split over several programs ("flash decoding") whose partial (out, lse) a second kernel merges by LSE.
 
 Host code never reads device values (no synchronisation, CUDA-graph friendly): per-sequence query counts are found
-in the kernel, and tile shapes and the split count come from tensor shapes only.
+in the kernel, and tile shapes and the split count come from tensor shapes only. At 64 tile rows on sm_90 the
+launcher runs the warp-specialised Gluon kernel of `decode_wgmma` instead, where `_wgmma_ok` says it can serve the
+call (same outputs, same combine kernel).
 """
 
 from __future__ import annotations
