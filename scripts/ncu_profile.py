@@ -33,7 +33,8 @@ from bench_common import JsonlWriter, run_metadata  # noqa: E402
 TARGETS = {
     "kda": dict(kernels="kda_chunk_(gate|intra_kernel|wy|state)", skip=4,
                 labels=["chunk_kda T=8192 H=64 K=V=128 bf16, g given"] * 4),
-    "mla": dict(kernels="mla_decode_fwd", skip=0,
+    # H=128 and H=32 s_q=4 (64 tile rows) run the Gluon kernel on sm_90, H=16 the Triton one.
+    "mla": dict(kernels="mla_decode_(fwd|wgmma)_kernel", skip=0,
                 labels=[c if i == 0 else None for c in ("mla_decode b=128 s_k=8192 bf16 H=16 s_q=1",
                                                         "mla_decode b=128 s_k=8192 bf16 H=128 s_q=1",
                                                         "mla_decode b=128 s_k=8192 bf16 H=32 s_q=4")
