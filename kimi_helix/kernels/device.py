@@ -17,6 +17,13 @@ def num_sms(device_index: int | None) -> int:
 
 
 @functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, asked of the driver once: launchers check it on every
+    call."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
 def side_stream(device_index: int) -> torch.cuda.Stream:
     """A CUDA stream of the device kept for kernels that overlap others within one call (the KDA prefill's block
     kernel): one per device, not one per call, which would cost every call a stream creation on the host."""

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kimi_helix.kernels.device import num_sms
+from kimi_helix.kernels.device import capability, num_sms
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
 
@@ -374,7 +374,7 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_split: in
     size), TMA needs Hopper or newer (or the interpreter), and 16-byte aligned pages, rows, the rope's first column
     and the width of a latent column group (kv_lora_rank / d_split)."""
     if kv_cache.device.type == "cuda":
-        if torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+        if capability(kv_cache.device.index)[0] < 9:
             return False
     elif os.environ.get("TRITON_INTERPRET") != "1":
         return False
@@ -423,7 +423,7 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
     return (
         decode_wgmma is not None
         and q.device.type == "cuda"
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and capability(q.device.index) == (9, 0)
         and q.dtype in (torch.float16, torch.bfloat16)
         and kv_cache.dtype == q.dtype
         and rows == 64

@@ -67,6 +67,8 @@ SCHEDULES = {
     # 64-key tiles in 2 buffers (32-key tiles in 3 or 4 buffers took 1.11-1.14 ms at H=128). Its warp-specialised
     # form (a scores warpgroup, an output warpgroup, a loader warp; call 6), 2 programs an SM (4 took 1-4% longer):
     # H=128 0.657 ms, H=32 s_q=4 0.662, H=16 s_q=4 0.402, H=64 0.402. num_warps does not apply to it (4 + 4 + 1).
+    # Where it cannot serve a call (other GPUs, launches below TMA_MIN_WORK) the Triton kernel runs this schedule,
+    # split target included (8 before run 18; not timed again at 2).
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
     (2, 64): Schedule(64, 8, 2, 0.0, min_waves=2, tma=True, wgmma=True),
