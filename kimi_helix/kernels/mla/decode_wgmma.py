@@ -63,19 +63,22 @@ def _load_partition(kv_c_desc, kv_pe_desc, pages_ptr, lo, hi, num_tiles, clo_sme
     window ending at hi, as in the Triton kernel: never the stale rows past a sequence's end (0 * NaN in P @ V
     would poison rows), but masked keys before it or TMA's zeros before the page."""
     DH: gl.constexpr = kv_c_desc.block_type.shape[2]
+    # Each tile's page is read from the block table one tile ahead, so its latency is not added to the copy's.
+    page = gl.load(pages_ptr + lo // PAGE_SIZE, mask=num_tiles > 0, other=0)
     for t in range(num_tiles):
         stage = t % NUM_STAGES
-        if t >= NUM_STAGES:
-            mbarrier.wait(kv_free.index(stage), ((t - NUM_STAGES) // NUM_STAGES) & 1)
         tile_lo = lo + t * BLOCK_N
         shift = BLOCK_N - gl.minimum(hi - tile_lo, BLOCK_N)
-        page = gl.load(pages_ptr + tile_lo // PAGE_SIZE)
         row = tile_lo % PAGE_SIZE - shift
+        next_page = gl.load(pages_ptr + (tile_lo + BLOCK_N) // PAGE_SIZE, mask=t + 1 < num_tiles, other=0)
+        if t >= NUM_STAGES:
+            mbarrier.wait(kv_free.index(stage), ((t - NUM_STAGES) // NUM_STAGES) & 1)
         bar = kv_ready.index(stage)
         mbarrier.expect(bar, 2 * kv_c_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes)
         _tma_load(kv_c_desc, [page, row, 0], bar, clo_smem.index(stage))
         _tma_load(kv_c_desc, [page, row, DH], bar, chi_smem.index(stage))
         _tma_load(kv_pe_desc, [page, row, 0], bar, pe_smem.index(stage))
+        page = next_page
 
 
 @gluon.jit
