@@ -415,8 +415,8 @@ def _wgmma_smem(rows: int, block_n: int, stages: int, width: int) -> int:
 def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: dict) -> bool:
     """Whether the Gluon warpgroup-MMA kernel can serve the call: sm_90 (its wgmma and TMA ops), 16-bit q and a
     cache of the same dtype, 64 tile rows, 16 to 64 keys a tile in two or more buffers, a rope part, kv_lora_rank
-    <= 512 (each warpgroup's half of the output is one MMA), q, the tile buffers and P within shared memory, and
-    pages TMA can copy."""
+    <= 512 (each warpgroup's half of the output is one MMA), q, the tile buffers and P within shared memory. Asked
+    only once the launcher has chosen TMA tiles (`_tma_ok`: pages TMA can copy), which it does not check again."""
     rope = kv_cache.shape[2] - kv_lora_rank
     rows, block_n, stages = cfg["BLOCK_Q"] * cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_stages"]
     smem = _wgmma_smem(rows, block_n, stages, kv_cache.shape[2])
@@ -432,7 +432,6 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
         and 32 <= kv_lora_rank <= 512
         and rope >= 16
         and smem <= _WGMMA_SMEM
-        and _tma_ok(kv_cache, kv_lora_rank, block_n)
     )
 
 
