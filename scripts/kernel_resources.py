@@ -152,19 +152,20 @@ def mla_cases() -> list[tuple]:
     return cases
 
 
-def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64) -> tuple:
-    """The warp-specialised Gluon MLA decode kernel (64 rows, bf16, kv_lora_rank 512, rope 64, split KV) with
-    block_n-key tiles in num_stages buffers, as a case of `main`'s table (registers: the launch's share; its
-    partitions then re-divide them)."""
+def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64, longest_first: bool = False) -> tuple:
+    """The warp-specialised Gluon MLA decode kernel (64 rows, bf16, kv_lora_rank 512, rope 64) with block_n-key
+    tiles in num_stages buffers, as a case of `main`'s table (registers: the launch's share; its partitions then
+    re-divide them): split KV in sequence order, or (longest_first) whole sequences taken longest first."""
     from triton.experimental.gluon import language as gl
 
     def desc(width):
         layout = gl.NVMMASharedLayout.get_default_for([1, block_n, width], gl.bfloat16)
         return f"tensordesc<bf16[1, {block_n}, {width}],{layout!r}>"
 
-    c = dict(PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_Q=1, SEQS_POW2=256, HAS_BOUNDS=False, SPLIT=True,
-             NUM_STAGES=num_stages)  # fmt: skip
-    name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, Gluon wgmma (warp-specialised)"
+    c = dict(PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_Q=1, SEQS_POW2=256, HAS_BOUNDS=False, SPLIT=not longest_first,
+             NUM_STAGES=num_stages, LONGEST_FIRST=longest_first)  # fmt: skip
+    order = "longest first" if longest_first else "split KV"
+    name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, {order}, Gluon wgmma (warp-spec.)"
     overrides = dict(kv_c_desc=desc(256), kv_pe_desc=desc(64))
     return name, decode.decode_wgmma.mla_decode_wgmma_kernel, c, 4, num_stages, overrides, None
 

@@ -410,30 +410,47 @@ def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
     assert_rel_close("split lse", split_lse, want_lse, 1e-3)
 
 
+def test_longest_first_only_for_whole_sequences_over_more_than_a_wave(monkeypatch):
+    """The wgmma kernel takes sequences longest first only without split-KV, for up to LONGEST_FIRST_MAX_SEQS
+    sequences, and when its programs outnumber the SMs."""
+    monkeypatch.setattr(decode, "num_sms", lambda *_: 132)
+    n = decode.LONGEST_FIRST_MAX_SEQS
+    assert decode._longest_first(1, 128, 320, 0)
+    assert not decode._longest_first(2, 128, 512, 0)  # split-KV keeps the sequences' order
+    assert not decode._longest_first(1, 128, 132, 0)  # one wave: order does not matter
+    assert decode._longest_first(1, n, 2 * n, 0) and not decode._longest_first(1, n + 1, 2 * n + 2, 0)
+
+
 @pytest.mark.skipif(decode.decode_wgmma is None, reason="this Triton has no Gluon Hopper ops")
 def test_wgmma_kernel_compiles_for_sm90_within_shared_memory():
-    """The Gluon kernel compiles for sm_90 (no GPU needed) at the committed schedule and at 32-key tiles in 3
-    buffers; the host's shared-memory estimate (what `_wgmma_ok` gates on) stays within 2 KB of what the compiler
-    allocates, so a schedule whose buffers overflow (64-key tiles in 3 buffers) is refused before launch."""
+    """The Gluon kernel compiles for sm_90 (no GPU needed) at the committed schedule (split KV, and whole sequences
+    taken longest first) and at 32-key tiles in 3 buffers; the host's shared-memory estimate (what `_wgmma_ok` gates
+    on) stays within 2 KB of what the compiler allocates, so a schedule whose buffers overflow (64-key tiles in 3
+    buffers) is refused before launch."""
     import json
     import subprocess
     import sys
 
     sched = decode.SCHEDULES[(2, 64)]
     assert sched.wgmma
-    tiles = [(sched.block_n, sched.num_stages), (32, 3), (64, 3)]
+    tiles = [
+        (sched.block_n, sched.num_stages, False),
+        (sched.block_n, sched.num_stages, True),
+        (32, 3, False),
+        (64, 3, False),
+    ]  # (keys a tile, buffers, longest first)
     # Compiled in a fresh process without the interpreter (which this one runs under: kernels decorated in it
     # cannot compile for a GPU).
     code = (
         "import json, sys; import kernel_resources as kr; "
-        f"print(json.dumps([kr.resources(*[kr.mla_wgmma_case(n, s)[i] for i in (1, 2, 3, 4, 5)])['shared'] "
-        f"for n, s in {tiles!r}]))"
+        f"print(json.dumps([kr.resources(*[kr.mla_wgmma_case(n, s, 64, f)[i] for i in (1, 2, 3, 4, 5)])['shared'] "
+        f"for n, s, f in {tiles!r}]))"
     )
     scripts = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([scripts, *sys.path]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for (block_n, stages), shared in zip(tiles, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
+    for (block_n, stages, _), shared in zip(tiles, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
         estimate = decode._wgmma_smem(64, block_n, stages, 576)
         assert estimate <= shared <= estimate + 2048, (block_n, stages, shared)
         assert (estimate <= decode._WGMMA_SMEM) == (shared <= 227 * 1024), (block_n, stages, shared)
@@ -455,8 +472,9 @@ def test_wgmma_kernel_compiles_for_sm90_within_shared_memory():
 )
 def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, bounds, tiles):
     """The Gluon warpgroup-MMA kernel (64 tile rows on sm_90) against the reference: partial first and last tiles
-    (sequences of 1 to 65 keys and past a page), per-token bounds including zeros, split-KV, a NaN-poisoned cache;
-    the committed schedule, or (keys a tile, buffers) = tiles."""
+    (sequences of 1 to 65 keys and past a page), per-token bounds including zeros, split-KV, one split with the
+    sequences taken longest first (two of equal length), a NaN-poisoned cache; the committed schedule, or (keys a
+    tile, buffers) = tiles."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)  # a small launch: the schedule alone picks the kernel
@@ -467,7 +485,7 @@ def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, boun
     chosen = []
     wgmma_ok = decode._wgmma_ok
     monkeypatch.setattr(decode, "_wgmma_ok", lambda *a: chosen.append(wgmma_ok(*a)) or chosen[-1])
-    lens = [max(s_q, n) for n in (1, 63, 64, 65, 130, 700, 3001)]
+    lens = [max(s_q, n) for n in (1, 63, 64, 65, 130, 700, 3001, 64)]  # a tie: longest first keeps index order
     args, _ = make_case(lens, [s_q] * len(lens), H, page_size=page_size, kv_lora=512, rope=64, dtype=dtype,
                         seed=H + s_q)  # fmt: skip
     args["scale"] = 192**-0.5
@@ -477,8 +495,14 @@ def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, boun
         args["kv_bounds"] = (torch.rand(len(limit), generator=gen) * limit).int().to(DEVICE)
         args["kv_bounds"][::5] = 0
     want_out, want_lse = mla_decode_ref(**args)
-    for splits in (None, 3):
+    orders = []
+    longest_first = decode._longest_first
+    monkeypatch.setattr(decode, "_longest_first", lambda *a: orders.append(longest_first(*a)) or orders[-1])
+    for splits in (None, 3, 1):
+        if splits == 1:  # one split, more programs than "SMs": the programs take sequences longest first
+            monkeypatch.setattr(decode, "num_sms", lambda *_: 1)
         out, lse = mla_decode_triton(**args, num_kv_splits=splits)
         assert_rel_close(f"out (splits {splits})", out, want_out.float(), TOL[dtype])
         assert_rel_close(f"lse (splits {splits})", lse, want_lse, 1e-3)
-    assert chosen == [True, True]
+    assert chosen == [True, True, True]
+    assert orders[1:] == [False, True]

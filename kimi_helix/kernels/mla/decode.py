@@ -405,6 +405,17 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
 # Shared memory a Hopper block may use (227 KB), less room for the kernel's reduction scratch and barriers.
 _WGMMA_SMEM = 227 * 1024 - 2048
 
+# The wgmma kernel takes sequences longest first (`decode_wgmma._longest_first`) where each program carries a whole
+# sequence's keys (no split-KV) and the programs fill more than one wave: H200 run 20, H=32 s_q=4 at b=128 (two
+# waves, lengths +-25%) 13% faster. Each program ranks all N sequences (O(N^2) work), so only up to this many; with
+# split-KV it measured from 10% slower to 2% faster, so split launches keep the sequences' order.
+LONGEST_FIRST_MAX_SEQS = 255
+
+
+def _longest_first(splits: int, num_seqs: int, programs: int, device_index: int | None) -> bool:
+    """Whether the wgmma kernel's programs take sequences longest first (see LONGEST_FIRST_MAX_SEQS)."""
+    return splits == 1 and num_seqs <= LONGEST_FIRST_MAX_SEQS and programs > num_sms(device_index)
+
 
 def _wgmma_smem(rows: int, block_n: int, stages: int, width: int) -> int:
     """Bytes of shared memory the wgmma kernel allocates for its tiles: q [rows, width], the key tiles
@@ -544,6 +555,7 @@ def mla_decode_triton(
             qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
             HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, NUM_STAGES=sched.num_stages,
+            LONGEST_FIRST=_longest_first(splits, N, grid[0], q.device.index),
             num_warps=4,  # the parent and scores warpgroup; the kernel adds its output warpgroup and loader warp
         )  # fmt: skip
     else:
