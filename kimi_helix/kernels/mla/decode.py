@@ -407,7 +407,7 @@ _WGMMA_SMEM = 227 * 1024 - 2048
 
 # The wgmma kernel takes sequences longest first (`decode_wgmma._longest_first`) where each program carries a whole
 # sequence's keys (no split-KV) and the programs fill more than one wave: H200 run 20, H=32 s_q=4 at b=128 (two
-# waves, lengths +-25%) 13% faster. Each program ranks all N sequences (O(N^2) work), so only up to this many; with
+# waves, lengths +-25%) 10% faster. Each program ranks all N sequences (O(N^2) work), so only up to this many; with
 # split-KV it measured from 10% slower to 2% faster, so split launches keep the sequences' order.
 LONGEST_FIRST_MAX_SEQS = 255
 

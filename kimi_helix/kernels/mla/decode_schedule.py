@@ -66,7 +66,9 @@ SCHEDULES = {
     # groups) keeps 1 group (1.122 ms). Run 18: the Gluon warpgroup-MMA kernel (`decode_wgmma`) at 64 rows on sm_90,
     # 64-key tiles in 2 buffers (32-key tiles in 3 or 4 buffers took 1.11-1.14 ms at H=128). Its warp-specialised
     # form (a scores warpgroup, an output warpgroup, a loader warp; call 6), 2 programs an SM (4 took 1-4% longer):
-    # H=128 0.657 ms, H=32 s_q=4 0.662, H=16 s_q=4 0.402, H=64 0.402. num_warps does not apply to it (4 + 4 + 1).
+    # H=128 0.657 ms, H=32 s_q=4 0.662, H=16 s_q=4 0.402, H=64 0.402; run 20's kernel (`56049b1`): 0.641, 0.572
+    # (one split: sequences longest first), 0.404, 0.402 (bench_mla.py --quick and A/B). num_warps does not apply to
+    # it (4 + 4 + 1).
     # Where it cannot serve a call (other GPUs, launches below TMA_MIN_WORK) the Triton kernel runs this schedule,
     # split target included (8 before run 18; not timed again at 2).
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),

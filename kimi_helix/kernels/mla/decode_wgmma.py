@@ -12,8 +12,8 @@ lets this kernel split the work by role instead. Three partitions share each til
 - the output warpgroup computes P @ c for the second half, from P and the rescale factors the scores warpgroup
   leaves in shared memory, once the next tile's scores are done: so its MMAs run beside the next softmax.
 Run 18 (H200, b=128, s_k=8192, bf16): H=128 1.12 ms (Triton) -> 0.79 (two warpgroups splitting every tile's keys
-and columns alike) -> 0.66 (this split). Run 20: 0.62, and H=32 s_q=4 0.66 -> 0.57, from the deferred second
-half, the part-by-part refills, a cheaper softmax and, without split-KV, sequences taken longest first.
+and columns alike) -> 0.66 (this split). Run 20: H=32 s_q=4 0.66 -> 0.57 (H=128 0.65 -> 0.64), from the deferred
+second half, the part-by-part refills, a cheaper softmax and, without split-KV, sequences taken longest first.
 
 Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by `decode.mla_decode_combine_kernel`)
 for 16-bit q with a cache of the same dtype whose pages TMA can copy; `decode._wgmma_ok` says when it serves a call.
