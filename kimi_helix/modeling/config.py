@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
@@ -248,6 +249,10 @@ class KimiK3Config(PretrainedConfig):
                     f"KimiK3Config.{flat} ({value!r}) disagrees with linear_attn_config.{key} ({lac[key]!r})"
                 )
             lac[key] = value
+        for name in ("dtype", "torch_dtype"):
+            value = kwargs.get(name)
+            if isinstance(value, str) and not isinstance(getattr(torch, value, None), torch.dtype):
+                raise ConfigError(f"KimiK3Config.{name} must name a torch dtype (e.g. 'bfloat16'), got {value!r}")
         for name, off in _ONLY_DEFAULT.items():
             value = kwargs.pop(name, off)
             if value is not None and (isinstance(value, bool) != isinstance(off, bool) or value != off):
