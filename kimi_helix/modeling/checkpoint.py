@@ -309,7 +309,7 @@ def load_pretrained(
     prefix = _base_prefix(model)
     params = {prefix + k: v for k, v in _own_params(model).items()}
     expected = {prefix + k: v for k, v in expected_disk_shapes(model).items()}
-    seen = _load_shards(files, params, config, check_finite, progress_bar)
+    seen = _load_shards(files, params, check_finite, progress_bar)
     missing = sorted(set(expected) - set(seen))
     if missing:
         shown = ", ".join(f"{k} {list(expected[k])}" for k in missing[:_MAX_NAMED])
@@ -321,8 +321,11 @@ def load_pretrained(
     return model
 
 
-def _load_shards(files, params, config, check_finite: bool, progress_bar: bool | None) -> dict[str, str]:
-    """Copy every tensor of `files` into `params`; returns canonical tensor name -> the file that held it."""
+def _load_shards(files, params, check_finite: bool, progress_bar: bool | None) -> dict[str, str]:
+    """Copy every tensor of `files` into `params`; returns canonical tensor name -> the file that held it.
+
+    Names are matched in the causal LM's namespace: a base-model checkpoint's names gain the `model.` prefix.
+    """
     seen: dict[str, str] = {}
     not_finite: list[str] = []
     bar = tqdm(
@@ -340,11 +343,11 @@ def _load_shards(files, params, config, check_finite: bool, progress_bar: bool |
                         if disk_key.startswith("model.") or disk_key == "lm_head.weight"
                         else f"model.{disk_key}"
                     )
-                    where = f"{file.name}"
+                    where = file.name
                     target = disk_to_memory(key, params, where)
                     if target is None:
-                        if key == "lm_head.weight" and (config.tie_word_embeddings or key not in params):
-                            continue  # tied to the embedding, or a base model loading a causal-LM checkpoint
+                        if key == "lm_head.weight":
+                            continue  # a tied head is the embedding; a base model has no head
                         raise CheckpointError(
                             f"unexpected tensor {disk_key!r} in {where}: the model has no such tensor"
                         )

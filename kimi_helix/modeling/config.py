@@ -143,6 +143,8 @@ class KimiK3Config(PretrainedConfig):
         pad_token_id: int | None = 163839,
         **kwargs: Any,
     ):
+        if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
+            raise ConfigError(f"KimiK3Config.linear_attn_config must be an object, got {linear_attn_config!r}")
         lac = self._fold_transformers_fields(dict(linear_attn_config or {}), kwargs)
         layer_types, mlp_layer_types = kwargs.pop("layer_types", None), kwargs.pop("mlp_layer_types", None)
         qk_head_dim = kwargs.pop("qk_head_dim", None)  # transformers writes nope + rope; checked below
@@ -233,8 +235,9 @@ class KimiK3Config(PretrainedConfig):
     def _fold_transformers_fields(lac: dict, kwargs: dict) -> dict:
         """Fold the flat fields transformers' native KimiLinearConfig saves back into `linear_attn_config`.
 
-        Each is checked against what it duplicates: `linear_*` against `linear_attn_config`, `qk_head_dim` (nope +
-        rope) below in `validate_fields`, and the options kimi_helix lacks (`_ONLY_DEFAULT`) must be off.
+        Each is checked against what it duplicates (`linear_*` against `linear_attn_config`; `qk_head_dim`, nope +
+        rope, in `__init__`), a `dtype` must name a torch dtype, and the options kimi_helix lacks (`_ONLY_DEFAULT`)
+        must be off.
         """
         for flat, key in (
             ("linear_num_heads", "num_heads"),
