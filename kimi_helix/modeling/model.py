@@ -181,7 +181,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         hidden = self.forward_packed(embeds[keep], batch, work_cache)
         work_cache.commit(batch)
         out = hidden.new_zeros(bsz, t, hidden.shape[-1])
-        out[keep] = hidden
+        out[keep.to(out.device)] = hidden  # the final norm may sit on another device (device_map)
         return BaseModelOutputWithPast(last_hidden_state=out, **{_CACHE_FIELD: cache if use_cache else None})
 
 
