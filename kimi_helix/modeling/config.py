@@ -79,7 +79,8 @@ class KimiK3Config(PretrainedConfig):
         use_full_rank_gate: K3's KDA output gate, a single `g_proj` [H*K, d] instead of `g_a_proj`/`g_b_proj`.
         num_experts, num_experts_per_token, num_shared_experts, moe_intermediate_size: the routed MoE.
         first_k_dense_replace, moe_layer_freq: layer i is MoE iff `i >= first_k_dense_replace` and
-            `i % moe_layer_freq == 0` (0-based).
+            `i % moe_layer_freq == 0` (0-based). Unset (None), they come from transformers' `mlp_layer_types`
+            when the config has one, else 1 and 1; set, they must agree with it.
         moe_router_activation_func: `"sigmoid"` (Kimi) or `"softmax"`.
         moe_renormalize, routed_scaling_factor: routed weights are the unbiased scores of the chosen experts,
             renormalised to sum to one, times `routed_scaling_factor`.
