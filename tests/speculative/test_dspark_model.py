@@ -47,9 +47,10 @@ def test_attention_is_non_causal_inside_the_block(target, drafter):
     ids = torch.randint(0, 256, (1, 10))
     ctx = drafter.context_keys_values(_features(target, ids), torch.arange(10)[None])
     block = torch.tensor([[5, 258, 258, 258]])
-    run = lambda b: drafter.backbone(
-        b, torch.tensor([10]), ctx, torch.arange(10)[None], torch.ones(1, 10, dtype=torch.bool)
-    )  # noqa: E731
+
+    def run(b):
+        return drafter.backbone(b, torch.tensor([10]), ctx, torch.arange(10)[None], torch.ones(1, 10, dtype=torch.bool))
+
     changed = block.clone()
     changed[0, 3] = 7
     assert not torch.allclose(run(block)[0, 0], run(changed)[0, 0])

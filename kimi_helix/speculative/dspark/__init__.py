@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModel
 
 from .capture import TargetFeatureCapture
 from .config import DSparkConfig, default_target_layer_ids
-from .model import DSparkDrafter, DSparkOutput, Draft
+from .model import Draft, DSparkDrafter, DSparkOutput
 
 AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDrafter, exist_ok=True)
