@@ -94,10 +94,11 @@ def _target_layers(target: Any) -> tuple[int, list[int]]:
     return n, list(full)
 
 
-def _check_method(spec: Mapping, out: list[Reason]) -> str | None:
+def _check_method(spec: Mapping, out: list[Reason], custom: bool) -> str | None:
     method = spec.get("method")
-    if method not in METHODS:
-        out.append(Reason("method", f"unknown or unsupported method {method!r}", " | ".join(METHODS)))
+    allowed = (*METHODS, "custom") if custom else METHODS
+    if method not in allowed:
+        out.append(Reason("method", f"unknown or unsupported method {method!r}", " | ".join(allowed)))
         method = None
     drafting = spec.get("drafting", "chain")
     if drafting not in DRAFTING or spec.get("speculative_token_tree") is not None:
@@ -237,14 +238,16 @@ def validate_speculative_config(
     device: str = "cuda",
     dtype: str = "bf16",
     kv_dtype: str | None = None,
+    custom_proposer: bool = False,
 ) -> SpeculativeConfig:
     """Check `spec` (vLLM spelling: method, model, num_speculative_tokens, ...) against the target and drafter
     configs (objects or dicts) for a `tp` x `cp` run on `device` in `dtype`; raise `UnsupportedConfigError` with
-    every reason, or return the normalised `SpeculativeConfig`. Reads configs only, never weights."""
+    every reason, or return the normalised `SpeculativeConfig`. Reads configs only, never weights.
+    `custom_proposer`: the caller brings its own `Proposer`, so method "custom" is allowed too."""
     if not isinstance(spec, Mapping):
         raise UnsupportedConfigError([Reason("speculative_config", f"{type(spec).__name__}", "a dict")])
     out: list[Reason] = []
-    method = _check_method(spec, out)
+    method = _check_method(spec, out, custom_proposer)
     k = _check_k(spec, method, drafter, out)
     lo, hi = _check_ngram(spec, out) if method == "ngram" else (1, 4)
     if method == "dspark":
