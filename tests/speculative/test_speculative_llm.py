@@ -127,3 +127,12 @@ def test_validator_runs_before_any_weights_load(tmp_path, drafter_dir):
     assert cfg["model_type"] == "dspark"
     with pytest.raises(UnsupportedConfigError, match="proposer="):
         LLM(tmp_path, device="cpu", speculative_config={"method": "custom", "num_speculative_tokens": 2})
+
+
+def test_kda_state_cannot_be_cut_outside_the_last_verify_group(model):
+    llm = LLM(model, page_size=PAGE)
+    request = llm._make_request(list(range(1, 8)), SamplingParams(max_tokens=5, temperature=0.0))
+    llm.scheduler.add(request)
+    llm.step()  # the prefill: no verify group to cut back into
+    with pytest.raises(ValueError, match="inside the last step's verify group"):
+        llm.cache.rollback(request.request_id, 3)
