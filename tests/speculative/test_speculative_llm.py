@@ -47,9 +47,8 @@ class OracleProposer(Proposer):
 
     name = "oracle"
 
-    def __init__(self, oracle, plain_ids=()):
-        self.oracle, self.plain_ids, self.rounds = oracle, set(plain_ids), {}
-        self.accepted_lengths = set()
+    def __init__(self, oracle, plain_ids=(), vocab=256):
+        self.oracle, self.plain_ids, self.vocab, self.rounds = oracle, set(plain_ids), vocab, {}
 
     def propose(self, requests):
         out = []
@@ -61,7 +60,7 @@ class OracleProposer(Proposer):
             drafts = self.oracle[r.seq_id]["out"][done : done + r.num_tokens]
             bad = self.rounds.get(r.seq_id, 0) % (r.num_tokens + 1)
             self.rounds[r.seq_id] = self.rounds.get(r.seq_id, 0) + 1
-            out.append(Proposal([(t + 1) % 256 if j == bad else t for j, t in enumerate(drafts)]))
+            out.append(Proposal([(t + 1) % self.vocab if j == bad else t for j, t in enumerate(drafts)]))
         return out
 
 
