@@ -152,7 +152,7 @@ class LLM:
         if spec is not None:
             from ..speculative.engine import build_speculative_decoder
 
-            self.speculative = build_speculative_decoder(spec, self.model, proposer, device)
+            self.speculative = build_speculative_decoder(spec, self, proposer)
 
     def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
         """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in

@@ -22,6 +22,7 @@ from .dspark.capture import TargetFeatureCapture
 from .dspark.config import DSparkConfig
 from .dspark.model import DSparkDrafter
 from .proposers import DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
+from .scheduling import StepRateTable, cached_step_rate, confidence_schedule, profile_step_rate
 from .validator import Reason, SpeculativeConfig, UnsupportedConfigError, validate_speculative_config
 from .verification import VerifyResult, verify
 
@@ -60,11 +61,15 @@ class SpeculativeMetrics:
 
 
 class SpeculativeDecoder:
-    """Drives a `Proposer` for an engine whose target is `model`, drafting `num_tokens` per request and step."""
+    """Drives a `Proposer` for an engine whose target is `model`, drafting `num_tokens` per request and step.
 
-    def __init__(self, model, proposer: Proposer, num_tokens: int):
+    With a `step_rate` table each step verifies the drafts Algorithm 1 admits from the proposals' confidences
+    (`scheduling.confidence_schedule`); without one, every proposed draft (fixed k)."""
+
+    def __init__(self, model, proposer: Proposer, num_tokens: int, step_rate: StepRateTable | None = None):
         self.proposer = proposer
         self.num_tokens = num_tokens
+        self.step_rate = step_rate
         self.metrics = SpeculativeMetrics()
         self._proposals: dict[int, Proposal] = {}
         self.capture = (
@@ -80,9 +85,13 @@ class SpeculativeDecoder:
             ProposalRequest(r.request_id, r.token_ids, limit[r.request_id], r.params.temperature, r.generator)
             for r in ready
         ]
-        for r, proposal in zip(ready, self.proposer.propose(asks)):
+        proposals = self.proposer.propose(asks)
+        lengths = [len(p.token_ids) for p in proposals]
+        if self.step_rate is not None:
+            lengths = confidence_schedule([p.confidence or [] for p in proposals], self.step_rate)
+        for r, proposal, n in zip(ready, proposals, lengths):
             self._proposals[r.request_id] = proposal
-            r.draft_token_ids = list(proposal.token_ids)
+            r.draft_token_ids = list(proposal.token_ids[:n])
 
     def observe(self, step) -> None:
         """Hand the proposer the captured features of every token of `step` (call right after the runner)."""
@@ -150,12 +159,54 @@ def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtyp
     )
 
 
-def build_speculative_decoder(spec: SpeculativeConfig, model, proposer, device) -> SpeculativeDecoder:
-    """The proposer `spec` names (the given one for "custom"), wired to the loaded target `model`."""
+def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> SpeculativeDecoder:
+    """The proposer `spec` names (the given one for "custom"), wired to `llm`'s loaded target; with confidence
+    scheduling, the verify step's rate table, profiled on `llm` now (or read from `spec.step_rate_table`)."""
+    model = llm.model
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec.method == "dspark":
-        drafter = DSparkDrafter.from_pretrained(spec.model, dtype=model.dtype, device=device)
+        drafter = DSparkDrafter.from_pretrained(spec.model, dtype=model.dtype, device=llm.device)
         drafter.bind_target(model)
         proposer = DSparkProposer(drafter)
-    return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens)
+    rate = None
+    if spec.confidence_scheduling:
+        group = spec.num_speculative_tokens + 1
+        ledger = llm.cache.ledger
+        seqs = min(llm.scheduler.max_num_seqs, ledger.num_slots, ledger.num_pages // ledger.pages_for(group))
+        limit = min(llm.scheduler.max_num_batched_tokens, seqs * group)
+        sizes = sorted({1, limit, *(2**i for i in range(limit.bit_length()) if 2**i <= limit)})
+        step = verify_step(llm, group)
+        sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+        if spec.step_rate_table is None:
+            rate = profile_step_rate(step, sizes, synchronize=sync)
+        else:
+            c = model.config
+            key = f"{c.model_type}-L{c.num_hidden_layers}-d{c.hidden_size}-{llm.device.type}-{model.dtype}-g{group}"
+            rate = cached_step_rate(spec.step_rate_table, key, step, sizes, synchronize=sync)
+    return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens, rate)
+
+
+def verify_step(llm, group: int):
+    """A step callable for `profile_step_rate`: one runner step of `tokens` tokens in verify groups of `group`
+    (the last one shorter) over fresh zero-context sequences, admitted and released around it."""
+    from ..engine.sampling import SamplingParams
+    from ..engine.scheduler import Request, ScheduledStep
+    from ..modeling.batch import Phase
+
+    def step(tokens: int) -> None:
+        sizes = [group] * (tokens // group) + ([tokens % group] if tokens % group else [])
+        reqs = [Request(-1 - i, None, [0], SamplingParams(max_tokens=group), None) for i in range(len(sizes))]
+        ledger = llm.cache.ledger
+        for r in reqs:
+            ledger.admit(r.request_id, group)
+        try:
+            phases = [Phase.VERIFY if n > 1 else Phase.DECODE for n in sizes]
+            llm.runner.run(ScheduledStep(reqs, phases, [[0] * n for n in sizes]))
+        finally:
+            for r in reqs:
+                llm.cache.reset_state(ledger.seqs[r.request_id].slot)
+                ledger.release(r.request_id)
+        llm.cache.verify_records = {}
+
+    return step

@@ -31,6 +31,7 @@ KNOWN_KEYS = frozenset(
         "prompt_lookup_min",
         "prompt_lookup_max",
         "attention_backend",
+        "step_rate_table",
     }
 )
 
@@ -60,6 +61,7 @@ class SpeculativeConfig:
     """A validated speculative configuration.
 
     `verify_backend` is the attention backend the switch picks for the verify phase (None: no MLA layer).
+    `step_rate_table`: where confidence scheduling caches its profiled steps/s table (None: profile each start).
     """
 
     method: str
@@ -69,6 +71,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     verify_backend: str | None = None
+    step_rate_table: str | None = None
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -267,4 +270,5 @@ def validate_speculative_config(
         prompt_lookup_min=lo,
         prompt_lookup_max=hi,
         verify_backend=backend,
+        step_rate_table=spec.get("step_rate_table"),
     )

@@ -135,3 +135,24 @@ def test_kda_state_cannot_be_cut_outside_the_last_verify_group(model):
     llm.step()  # the prefill: no verify group to cut back into
     with pytest.raises(ValueError, match="inside the last step's verify group"):
         llm.cache.rollback(request.request_id, 3)
+
+
+def test_confidence_scheduling_keeps_greedy_output_and_caches_its_table(model, prompts, plain, drafter_dir, tmp_path):
+    table = tmp_path / "sps.json"
+    spec = {
+        "method": "dspark",
+        "model": str(drafter_dir),
+        "num_speculative_tokens": 5,
+        "confidence_scheduling": True,
+        "step_rate_table": str(table),
+    }
+    llm = LLM(model, page_size=PAGE, max_num_batched_tokens=8, speculative_config=spec)
+    saved = json.loads(table.read_text())
+    assert saved["batch_tokens"][0] == 1 and saved["batch_tokens"][-1] == 8 and all(s > 0 for s in saved["steps_per_s"])
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert llm.speculative.metrics.rounds > 0
+    table.write_text(json.dumps({**saved, "steps_per_s": [1.0] * len(saved["batch_tokens"])}))
+    again = LLM(model, page_size=PAGE, max_num_batched_tokens=8, speculative_config=spec)
+    assert again.speculative.step_rate.steps_per_s == [1.0] * len(saved["batch_tokens"])  # read, not re-profiled
+    # A flat table makes every draft pay off: the verify lengths are then the proposals' own.
+    assert [o.token_ids for o in again.generate(prompts, GREEDY)] == plain
