@@ -4,9 +4,9 @@ The package imports lazily, so that `kimi-helix --help` starts without torch: `k
 `kimi_helix.KimiK3ForCausalLM`, ... and the submodules (`kimi_helix.presets`, ...) load on first use.
 
 Registration with transformers' Auto classes (`KimiK3Config` as "kimi_k3" with AutoConfig, AutoModel and
-AutoModelForCausalLM, and Kimi-Linear checkpoints, `model_type: kimi_linear`, routed to kimi_helix's
-implementation) happens on `import kimi_helix` when transformers is already imported, and otherwise on the first
-use of any name above; `kimi_helix.register_auto_classes()` does it explicitly.
+AutoModelForCausalLM, Kimi-Linear checkpoints, `model_type: kimi_linear`, routed to kimi_helix's implementation,
+and the DSpark drafter as "dspark") happens on `import kimi_helix` when transformers is already imported, and
+otherwise on the first use of any name above; `kimi_helix.register_auto_classes()` does it explicitly.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def register_auto_classes() -> None:
     from .modeling.registration import register_auto_classes as register
 
     register()
+    importlib.import_module(f"{__name__}.speculative.dspark")  # registers "dspark" on import
 
 
 def __getattr__(name: str):
