@@ -79,9 +79,9 @@ def make_call(T: int, H: int, D: int, lower_bound: float | None, dtype, device):
     x = prefill_inputs(T, H, D, dtype, device)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     if lower_bound is None:
-        return lambda: chunk.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        return lambda: chunk.chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
     gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=lower_bound)
-    return lambda: chunk.chunk_kda(x["q"], x["k"], x["v"], x["f"], x["beta"], **gate, **kw)
+    return lambda: chunk.chunk_kda_triton(x["q"], x["k"], x["v"], x["f"], x["beta"], **gate, **kw)
 
 
 def _compile(job) -> None:

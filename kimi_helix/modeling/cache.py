@@ -35,7 +35,7 @@ class KimiK3Cache:
 
     @property
     def is_linear(self) -> list[bool]:
-        return [t == "linear_attention" for t in self.config.layer_types]
+        return [not self.config.is_mla_layer(i) for i in range(self.config.num_hidden_layers)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Longest cached row (the HF convention for a batch)."""

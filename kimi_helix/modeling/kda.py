@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.backends import BackendChoice
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
-from ..kernels.kda import kda_chunk, kda_gate, kda_recurrent
+from ..kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate
 from .batch import ForwardBatch
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
@@ -49,6 +50,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(k, p, bias=False)
         self.o_norm = GatedRMSNorm(k, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(p, d, bias=False)
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: q, k and v conv weights stacked, so one conv (and one conv state) serves all three."""
@@ -64,16 +66,24 @@ class KimiDeltaAttention(nn.Module):
         conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if batch.is_decode:
-            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight(), state_indices=slots)
+            qkv = causal_conv1d_update(
+                qkv, conv_state, self.conv_weight(), state_indices=slots, backend=self.backends.kernels
+            )
         else:
             qkv, conv_state = causal_conv1d(
-                qkv[None], self.conv_weight(), conv_state, True, batch.cu_seqlens, state_indices=slots
+                qkv[None],
+                self.conv_weight(),
+                conv_state,
+                True,
+                batch.cu_seqlens,
+                state_indices=slots,
+                backend=self.backends.kernels,
             )
             qkv = qkv[0]
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())[None]
-        core = kda_recurrent if batch.is_decode else kda_chunk
+        core = fused_recurrent_kda if batch.is_decode else chunk_kda
         o, state = core(
             q,
             k_,
@@ -85,6 +95,7 @@ class KimiDeltaAttention(nn.Module):
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=batch.cu_seqlens,
             state_indices=slots,
+            backend=self.backends.kernels,
         )
         cache.set_kda_state(self.layer_idx, batch, conv_state, state)
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda
-from kimi_helix.kernels.kda.chunk import chunk_kda
+from kimi_helix.kernels.kda.chunk import chunk_kda_triton
 
 from .conftest import DEVICE, TOL, assert_rel_close, make_kda_inputs
 
@@ -48,7 +48,7 @@ def intra_path(request, monkeypatch):
 def test_matches_references(T):
     q, k, v, g, beta, s0, _, _ = make_inputs(2, T, seed=T)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
+    o, s = chunk_kda_triton(q, k, v, g, beta, chunk_size=16, **kw)
     assert o.dtype == q.dtype and s.dtype == torch.float32 and s.shape == (2, H, K, V)
     o_c, s_c = naive_chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
@@ -64,7 +64,7 @@ def test_large_chunks(chunk_size, dtype):
     """The production tiles: 2 and 4 sub-blocks per chunk, a partial last chunk."""
     q, k, v, g, beta, s0, _, _ = make_inputs(1, 70, seed=chunk_size, dtype=dtype, h=1)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    o, s = chunk_kda_triton(q, k, v, g, beta, chunk_size=chunk_size, **kw)
     o_r, s_r = naive_chunk_kda(q, k, v, g, beta, **kw)
     assert_rel_close("o", o, o_r, TOL[dtype])
     assert_rel_close("final_state", s, s_r, TOL[dtype])
@@ -81,7 +81,7 @@ def test_wy_split_equals_one_program(monkeypatch):
     results = []
     for split in (False, True):
         monkeypatch.setitem(chunk.WY, "split", split)
-        results.append(chunk_kda(q, k, v, g, beta, chunk_size=16, **kw))
+        results.append(chunk_kda_triton(q, k, v, g, beta, chunk_size=16, **kw))
     (o, s), (o_split, s_split) = results
     assert torch.equal(o_split, o) and torch.equal(s_split, s)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
@@ -101,7 +101,7 @@ def test_output_in_state_pass_equals_output_kernel(monkeypatch, dtype):
     results = {}
     for fused in (False, True):
         monkeypatch.setitem(chunk.STATE, "output", fused)
-        results[fused] = chunk_kda(q, k, v, g, beta, chunk_size=16, **kw)
+        results[fused] = chunk_kda_triton(q, k, v, g, beta, chunk_size=16, **kw)
     assert_rel_close("o", results[True][0], results[False][0], 1e-6 if dtype == torch.float32 else 1e-3)
     assert torch.equal(results[True][1], results[False][1])  # the state recurrence is the same arithmetic
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
@@ -116,15 +116,15 @@ def test_state_pass_output_needs_four_warps(monkeypatch):
     q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
     monkeypatch.setitem(chunk.STATE, "num_warps", 8)
     with pytest.raises(ValueError, match="num_warps=4"):
-        chunk_kda(q, k, v, g, beta, chunk_size=16)
+        chunk_kda_triton(q, k, v, g, beta, chunk_size=16)
     monkeypatch.setitem(chunk.STATE, "output", False)  # the pass without o is exact at 8 warps
-    chunk_kda(q, k, v, g, beta, chunk_size=16)
+    chunk_kda_triton(q, k, v, g, beta, chunk_size=16)
 
 
 def test_no_l2norm_custom_scale_no_state():
     q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
     k = torch.nn.functional.normalize(k, dim=-1)  # an unnormalised key makes the delta rule blow up
-    o, s = chunk_kda(q, k, v, g, beta, scale=0.37, chunk_size=16)
+    o, s = chunk_kda_triton(q, k, v, g, beta, scale=0.37, chunk_size=16)
     assert s is None
     assert_rel_close("o", o, naive_recurrent_kda(q, k, v, g, beta, scale=0.37)[0], 1e-5)
 
@@ -137,13 +137,13 @@ def test_varlen_equals_per_sequence(dtype, chunk_size):
     q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=7, dtype=dtype, n_states=len(LENS))
     cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
-    o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
     for n, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if e == b:  # an empty sequence passes its state through
             assert torch.equal(s[n], s0[n])
             continue
         seq = (t[:, b:e] for t in (q, k, v, g, beta))
-        o_n, s_n = chunk_kda(*seq, initial_state=s0[n : n + 1], **kw)
+        o_n, s_n = chunk_kda_triton(*seq, initial_state=s0[n : n + 1], **kw)
         assert_rel_close(f"o[{n}]", o[:, b:e], o_n, 1e-6)
         assert_rel_close(f"state[{n}]", s[n : n + 1], s_n, 1e-6)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, output_final_state=True,
@@ -160,8 +160,10 @@ def test_state_pool_in_place(output_final_state):
     slots = torch.tensor([5, 0, 3, 6], device=DEVICE)
     before = pool.clone()
     kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    o, ret = chunk_kda(q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=output_final_state,
-                       chunk_size=16, **kw)  # fmt: skip
+    o, ret = chunk_kda_triton(
+        q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=output_final_state,
+        chunk_size=16, **kw,
+    )  # fmt: skip
     o_r, s_r = naive_chunk_kda(q, k, v, g, beta, initial_state=before[slots], output_final_state=True, **kw)
     assert_rel_close("o", o, o_r, 1e-5)
     others = [i for i in range(7) if i not in slots.tolist()]
@@ -181,8 +183,9 @@ def test_gate_in_kernel(lower_bound, chunk_size):
     """Raw pre-activation in, log-decay computed in the kernel (lb=-20 sends most diagonal blocks to the exact loop)."""
     q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 40, seed=13, h=1, raw_gate=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size,
-                     **kw)  # fmt: skip
+    o, s = chunk_kda_triton(
+        q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, **kw
+    )
     o_r, s_r = naive_recurrent_kda(q, k, v, kda_gate(f, A_log, dt_bias, lower_bound), beta, **kw)
     assert_rel_close("o", o, o_r, 1e-5)
     assert_rel_close("final_state", s, s_r, 1e-5)
@@ -202,7 +205,7 @@ def test_strong_gates_stay_finite(chunk_size):
     g[:, 80:96, :, 1::2] = -torch.rand(1, 16, 1, K // 2, generator=gen) * 80.0
     g = g.to(DEVICE)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    o, s = chunk_kda_triton(q, k, v, g, beta, chunk_size=chunk_size, **kw)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     # Decays are differences of in-chunk cumulative sums, which lose ulp(|G|) ~ 1e-4 of the exponent once |G| is
     # ~1000, as here after the strong block (the reference sums only the gates in between).
@@ -227,7 +230,7 @@ def test_steady_strong_decay(chunk_size):
     chunk-wide factorisation allows, each half chunk does not (the regime of the per-half relaunch)."""
     q, k, v, g, beta, s0 = _steady_decay_inputs()
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **kw)
+    o, s = chunk_kda_triton(q, k, v, g, beta, chunk_size=chunk_size, **kw)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     assert_rel_close("o", o, o_r, 1e-5)
     assert_rel_close("final_state", s, s_r, 1e-5)
@@ -265,7 +268,7 @@ def test_steady_strong_decay_fits_the_halves(monkeypatch, routes_seen):
     for wide, halves, routes in ((True, False, [2, 2, 0]), (False, True, [1, 1, 1])):
         monkeypatch.setitem(chunk.INTRA, "wide", wide)
         monkeypatch.setitem(chunk.INTRA, "halves", halves)
-        o, s = chunk_kda(q, k, v, g, beta, **kw)
+        o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
         assert routes_seen[-1].flatten().tolist() == routes, (wide, halves, routes_seen[-1])
         assert_rel_close("o", o, o_r, 1e-5)
         assert_rel_close("final_state", s, s_r, 1e-5)
@@ -282,9 +285,9 @@ def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, routes_seen, lo
         monkeypatch.setitem(table, "halves", True)
     q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 200, seed=13, raw_gate=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
-    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
+    o, s = chunk_kda_triton(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
-    o_g, s_g = chunk_kda(q, k, v, g, beta, **kw)
+    o_g, s_g = chunk_kda_triton(q, k, v, g, beta, **kw)
     assert torch.equal(routes_seen[0], routes_seen[1]) and set(routes_seen[0].flatten().tolist()) == routes, routes_seen
     assert_rel_close("o", o, o_g, 1e-5)
     assert_rel_close("final_state", s, s_g, 1e-5)
@@ -293,17 +296,17 @@ def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, routes_seen, lo
 def test_bad_arguments_raise():
     q, k, v, g, beta, s0, A_log, dt_bias = make_inputs(1, 4, seed=0)
     with pytest.raises(ValueError, match="chunk_size"):
-        chunk_kda(q, k, v, g, beta, chunk_size=48)
+        chunk_kda_triton(q, k, v, g, beta, chunk_size=48)
     with pytest.raises(ValueError, match="together"):
-        chunk_kda(q, k, v, g, beta, A_log=A_log)
+        chunk_kda_triton(q, k, v, g, beta, A_log=A_log)
     with pytest.raises(ValueError, match="lower_bound"):
-        chunk_kda(q, k, v, g, beta, lower_bound=-5.0)
+        chunk_kda_triton(q, k, v, g, beta, lower_bound=-5.0)
     with pytest.raises(ValueError, match="state_indices needs initial_state"):
-        chunk_kda(q, k, v, g, beta, state_indices=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+        chunk_kda_triton(q, k, v, g, beta, state_indices=torch.zeros(1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="fp32"):
-        chunk_kda(q, k, v, g, beta, initial_state=s0.half(), state_indices=torch.zeros(1, device=DEVICE).int())
+        chunk_kda_triton(q, k, v, g, beta, initial_state=s0.half(), state_indices=torch.zeros(1, device=DEVICE).int())
     with pytest.raises(ValueError, match="cu_seqlens"):
-        chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+        chunk_kda_triton(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
 
 
 def test_bench_smoke(tmp_path):
@@ -379,9 +382,9 @@ def test_gpu_bf16_real_shapes(gate_in_kernel, lower_bound):
     (q, k, v, f, beta), A_log, dt_bias, s0, g = _real_inputs(2048, seed=1, lower_bound=lower_bound)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if gate_in_kernel:
-        o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
+        o, s = chunk_kda_triton(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
     else:
-        o, s = chunk_kda(q, k, v, g, beta, **kw)
+        o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
     o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
     assert o.dtype == torch.bfloat16
     assert_rel_close("o", o, o_r, TOL[torch.bfloat16])
@@ -398,7 +401,7 @@ def test_gpu_bf16_varlen_pool():
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     slots = torch.tensor([6, 1, 4, 0, 2], device="cuda")
     before = pool.clone()
-    o, _ = chunk_kda(q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
+    o, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
     o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=before[slots],
                                output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
@@ -415,7 +418,7 @@ def test_gpu_parity_with_fla():
     fla_kda = pytest.importorskip("fla.ops.kda")
     (q, k, v, _, beta), _, _, s0, g = _real_inputs(2048, seed=3)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda(q, k, v, g, beta, **kw)
+    o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
     o_f, s_f = fla_kda.chunk_kda(q, k, v, g, beta, **kw)
     assert_rel_close("o vs fla", o, o_f, TOL[torch.bfloat16])
     assert_rel_close("final_state vs fla", s, s_f.float(), TOL[torch.bfloat16])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kimi_helix.kernels.kda import kda_gate, naive_recurrent_kda
-from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda
+from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
 
 from .conftest import DEVICE, TOL, assert_rel_close, cu_seqlens, kda_prefill_then_decode, make_kda_inputs
 
@@ -35,7 +35,7 @@ def test_matches_naive(dtype, varlen, with_state):
         use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens(LENS) if varlen else None,
     )
-    o, s = fused_recurrent_kda(q, k, v, g, beta, **kw)
+    o, s = fused_recurrent_kda_triton(q, k, v, g, beta, **kw)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, **kw)
     assert o.dtype == dtype and s.dtype == torch.float32
     assert_rel_close("o", o, o_ref, TOL[dtype])
@@ -45,7 +45,7 @@ def test_matches_naive(dtype, varlen, with_state):
 def test_no_l2norm_custom_scale_no_final_state():
     q, k, v, g, beta, s0, _, _ = make_inputs(2, 3, seed=2)
     k = k / k.norm(dim=-1, keepdim=True)  # an unnormalised key makes the delta rule expansive
-    o, s = fused_recurrent_kda(q, k, v, g, beta, scale=0.37, initial_state=s0)
+    o, s = fused_recurrent_kda_triton(q, k, v, g, beta, scale=0.37, initial_state=s0)
     o_ref, _ = naive_recurrent_kda(q, k, v, g, beta, scale=0.37, initial_state=s0)
     assert s is None
     assert_rel_close("o", o, o_ref, 1e-5)
@@ -55,10 +55,10 @@ def test_varlen_equals_per_sequence():
     q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=3, n_states=len(LENS))
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     bounds = cu_seqlens(LENS).tolist()
-    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu_seqlens(LENS), **kw)
+    o, s = fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu_seqlens(LENS), **kw)
     for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         x = [t[:, a:b] for t in (q, k, v, g, beta)]
-        o_n, s_n = fused_recurrent_kda(*x, initial_state=s0[n : n + 1], **kw)
+        o_n, s_n = fused_recurrent_kda_triton(*x, initial_state=s0[n : n + 1], **kw)
         assert torch.equal(o[:, a:b], o_n), f"o[seq {n}]"
         assert torch.equal(s[n : n + 1], s_n), f"state[seq {n}]"
     assert torch.equal(s[3], s0[3])  # the empty sequence keeps its state
@@ -70,7 +70,7 @@ def test_state_pool_in_place(output_final_state):
     q, k, v, g, beta, pool, _, _ = make_inputs(1, sum(lens), seed=4, n_states=7)
     before = pool.clone()
     kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens))
-    o, ret = fused_recurrent_kda(
+    o, ret = fused_recurrent_kda_triton(
         q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=output_final_state, **kw
     )
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=before[slots], output_final_state=True, **kw)
@@ -93,7 +93,7 @@ def test_intermediate_states_equal_decode_steps(varlen):
     slots = torch.tensor([4, 1, 2][: len(lens)], device=DEVICE)
     start = pool.clone()
     kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens) if varlen else None)
-    o, states = fused_recurrent_kda(
+    o, states = fused_recurrent_kda_triton(
         q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
         return_intermediate_states=True, **kw,
     )  # fmt: skip
@@ -104,7 +104,9 @@ def test_intermediate_states_equal_decode_steps(varlen):
         s = start[slots[n]][None]
         for t in range(a, b):
             step = [x[t][None, None] for x in flat]
-            o_t, s = fused_recurrent_kda(*step, initial_state=s, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o_t, s = fused_recurrent_kda_triton(
+                *step, initial_state=s, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
             assert_rel_close(f"o[{t}]", o.flatten(0, 1)[t], o_t[0, 0], 1e-6)
             assert_rel_close(f"states[{t}]", states[t], s[0], 1e-6)
         assert_rel_close(f"pool[{slots[n]}]", pool[slots[n]], s[0], 1e-6)
@@ -116,9 +118,9 @@ def test_gate_in_kernel(lower_bound, dtype):
     q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(2, 3, seed=6, dtype=dtype, raw_gate=True)
     f[0, 0, 0, :4] = torch.tensor([30.0, 25.0, -30.0, 0.0], dtype=dtype)  # softplus' linear branch and its tail
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = fused_recurrent_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
+    o, s = fused_recurrent_kda_triton(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
-    o_ref, s_ref = fused_recurrent_kda(q, k, v, g, beta, **kw)
+    o_ref, s_ref = fused_recurrent_kda_triton(q, k, v, g, beta, **kw)
     assert_rel_close("o", o, o_ref, TOL[dtype])
     assert_rel_close("final_state", s, s_ref, 1e-5)
     o_naive, _ = naive_recurrent_kda(q, k, v, g, beta, **kw)
@@ -128,7 +130,7 @@ def test_gate_in_kernel(lower_bound, dtype):
 def test_prefill_then_decode():
     T = 9
     q, k, v, g, beta, s0, _, _ = make_inputs(2, T, seed=7)
-    o, s, o_full, s_full = kda_prefill_then_decode(fused_recurrent_kda, q, k, v, g, beta, s0, prefill_len=T - 5)
+    o, s, o_full, s_full = kda_prefill_then_decode(fused_recurrent_kda_triton, q, k, v, g, beta, s0, prefill_len=T - 5)
     assert_rel_close("o", o, o_full, 1e-5)
     assert_rel_close("final_state", s, s_full, 1e-5)
 
@@ -140,7 +142,7 @@ def test_strided_inputs():
     qs, ks, vs = qkv.unbind(2)
     assert not qs.is_contiguous()
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = fused_recurrent_kda(qs, ks, vs, g, beta, **kw)
+    o, s = fused_recurrent_kda_triton(qs, ks, vs, g, beta, **kw)
     o_ref, s_ref = naive_recurrent_kda(qs, ks, vs, g, beta, **kw)
     assert_rel_close("o", o, o_ref, 1e-5)
     assert_rel_close("final_state", s, s_ref, 1e-5)
@@ -149,21 +151,22 @@ def test_strided_inputs():
 def test_bad_arguments_raise():
     q, k, v, g, beta, s0, A_log, dt_bias = make_inputs(2, 2, seed=9)
     with pytest.raises(ValueError, match="k must"):
-        fused_recurrent_kda(q, k[..., :-1], v, g, beta)
+        fused_recurrent_kda_triton(q, k[..., :-1], v, g, beta)
     with pytest.raises(ValueError, match="beta must"):
-        fused_recurrent_kda(q, k, v, g, beta[..., None])
+        fused_recurrent_kda_triton(q, k, v, g, beta[..., None])
     with pytest.raises(ValueError, match="cu_seqlens requires"):
-        fused_recurrent_kda(q, k, v, g, beta, cu_seqlens=cu_seqlens([1, 1]))
+        fused_recurrent_kda_triton(q, k, v, g, beta, cu_seqlens=cu_seqlens([1, 1]))
     with pytest.raises(ValueError, match="initial_state"):
-        fused_recurrent_kda(q, k, v, g, beta, initial_state=s0[:1])
+        fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=s0[:1])
     with pytest.raises(ValueError, match="pool"):
-        fused_recurrent_kda(q, k, v, g, beta, state_indices=torch.tensor([0, 1], device=DEVICE))
+        fused_recurrent_kda_triton(q, k, v, g, beta, state_indices=torch.tensor([0, 1], device=DEVICE))
     with pytest.raises(ValueError, match="fp32"):
-        fused_recurrent_kda(q, k, v, g, beta, initial_state=s0.half(), state_indices=torch.tensor([0, 1]).to(DEVICE))
+        slots = torch.tensor([0, 1]).to(DEVICE)
+        fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=s0.half(), state_indices=slots)
     with pytest.raises(ValueError, match="together"):
-        fused_recurrent_kda(q, k, v, g, beta, A_log=A_log)
+        fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log)
     with pytest.raises(ValueError, match="lower_bound"):
-        fused_recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=1.0)
+        fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=1.0)
 
 
 def test_bench_smoke(tmp_path):
@@ -196,7 +199,7 @@ def test_gpu_bf16_decode_and_verify(lower_bound):
     idx = torch.randperm(slots, device=DEVICE)[:N]
     before = pool.clone()
     kw = dict(use_qk_l2norm_in_kernel=True)
-    o, _ = fused_recurrent_kda(
+    o, _ = fused_recurrent_kda_triton(
         q, k, v, f, beta, initial_state=pool, state_indices=idx, output_final_state=True,
         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw,
     )  # fmt: skip
@@ -211,7 +214,7 @@ def test_gpu_bf16_decode_and_verify(lower_bound):
     lens = [4] * 16
     q, k, v, g, beta, s0, _, _ = make_inputs(1, 64, seed=11, dtype=torch.bfloat16, h=Hr, k=Kr, v=Kr, n_states=16)
     kw = dict(initial_state=s0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens))
-    o, states = fused_recurrent_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
+    o, states = fused_recurrent_kda_triton(q, k, v, g, beta, return_intermediate_states=True, **kw)
     o_ref, states_ref = naive_recurrent_kda(q, k, v, g, beta, return_intermediate_states=True, **kw)
     assert_rel_close("verify o", o, o_ref, TOL[torch.bfloat16])
     assert_rel_close("verify states", states, states_ref, 1e-4)
@@ -230,7 +233,7 @@ def test_gpu_parity_with_fla(lower_bound):
     )
     gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = fused_recurrent_kda(q, k, v, f, beta, initial_state=s0.clone(), **gate, **kw)
+    o, s = fused_recurrent_kda_triton(q, k, v, f, beta, initial_state=s0.clone(), **gate, **kw)
     # fla may update initial_state in place: hand it a copy
     o_f, s_f = fla_kda.fused_recurrent_kda(
         q, k, v, f, beta, initial_state=s0.clone(), use_gate_in_kernel=True, **gate, **kw

@@ -29,25 +29,23 @@ from itertools import pairwise
 
 import torch
 
-from kimi_helix.kernels.device import num_sms, side_stream
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.common import check_device, check_shape, check_triton_device, segment_bounds
+from kimi_helix.kernels.device import num_sms, side_stream, triton_devices
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
 from kimi_helix.kernels.kda.chunk_intra_halves import kda_chunk_intra_halves_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
-from kimi_helix.kernels.kda.common import (
-    check_device,
-    check_gate_args,
-    check_kda_inputs,
-    check_shape,
-    check_state,
-    check_triton_device,
-    segment_bounds,
-)
+from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["chunk_kda"]
+__all__ = ["CAPS", "chunk_kda_triton"]
+
+# What this kernel serves, read by the backend switch: the [K, V] state tile lives in registers, so K is a power of
+# two in [16, 256].
+CAPS = OpCaps(triton_devices(), FLOATS, head_dims=(16, 256))
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BC = 16  # rows per sub-block of a chunk: the smallest tl.dot tile
@@ -157,7 +155,7 @@ def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
     return BV
 
 
-def chunk_kda(
+def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

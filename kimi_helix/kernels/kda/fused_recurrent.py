@@ -15,18 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.common import (
-    check_cu_seqlens,
-    check_device,
-    check_gate_args,
-    check_index,
-    check_kda_inputs,
-    check_state,
-    check_triton_device,
-)
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
+from kimi_helix.kernels.device import triton_devices
+from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["fused_recurrent_kda"]
+__all__ = ["CAPS", "fused_recurrent_kda_triton"]
+
+# What this kernel serves, read by the backend switch: the [K, V] state tile lives in registers, so K is a power of
+# two in [16, 256].
+CAPS = OpCaps(triton_devices(), FLOATS, head_dims=(16, 256))
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -161,7 +160,7 @@ def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, i
     return x, x.stride(0), x.stride(1)
 
 
-def fused_recurrent_kda(
+def fused_recurrent_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -16,13 +16,8 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kimi_helix.kernels.kda.common import (
-    check_kda_inputs,
-    check_shape,
-    gather_states,
-    scatter_states,
-    segment_bounds,
-)
+from kimi_helix.kernels.common import check_shape, gather_states, scatter_states, segment_bounds
+from kimi_helix.kernels.kda.common import check_kda_inputs
 
 __all__ = ["kda_gate", "l2norm", "naive_recurrent_kda", "naive_chunk_kda"]
 

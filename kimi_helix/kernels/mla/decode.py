@@ -17,14 +17,14 @@ call (same outputs, same combine kernel).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kimi_helix.kernels.device import capability, num_sms
+from kimi_helix.kernels.backends import FLOATS, KernelCaps
+from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
 
@@ -33,24 +33,19 @@ try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or ne
 except ImportError:
     decode_wgmma = None
 
-__all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
+__all__ = ["D_SPLITS", "MIN_WAVES", "CAPS", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-# What mla_decode_triton accepts; it raises ValueError for anything else (kept honest by the tests).
-SUPPORTED = {
-    "devices": ("cuda", "cpu under TRITON_INTERPRET=1"),
-    "q_dtypes": _FLOATS,
-    # fp8 and a cache of q's dtype compute in q's dtype; any other float pairing computes in fp32 (slow, exact).
-    "kv_dtypes": (*_FLOATS, FP8),
-    "num_heads": "any >= 1",
-    "kv_lora_rank": tuple(2**i for i in range(4, 10)),  # 16 .. 512
-    "rope_dim": (0, 16, 32, 64, 128),
-    "page_size": "any >= 1",
-    "s_q": "any >= 0 per sequence",
-}
+# What mla_decode_triton accepts (decode and verify), read by the backend switch; it raises ValueError for anything
+# else. Any head count, page size and per-sequence s_q >= 0. fp8 and a cache of q's dtype compute in q's dtype; any
+# other float pairing computes in fp32 (slow, exact).
+CAPS = KernelCaps(triton_devices(), FLOATS, FLOATS | {"fp8_e4m3"}, dim_rule="mla_latent")
+_KV_DTYPES = (*_FLOATS, FP8)
+_KV_LORA_RANKS = tuple(2**i for i in range(4, 10))  # 16 .. 512, the "mla_latent" rule of CAPS
+_ROPE_DIMS = (0, 16, 32, 64, 128)
 
 
 @triton.jit
@@ -376,7 +371,7 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_split: in
     if kv_cache.device.type == "cuda":
         if capability(kv_cache.device.index)[0] < 9:
             return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    elif not interpreting():
         return False
     elem = kv_cache.element_size()
     return (
@@ -447,7 +442,7 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"q is on {q.device}: the Triton MLA decode kernel needs CUDA (or TRITON_INTERPRET=1)")
     if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(-1) != 1:
         raise ValueError(
@@ -458,13 +453,13 @@ def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_ran
         raise ValueError("q must have at least one head")
     if kv_cache.dim() != 3 or kv_cache.shape[2] != D or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be contiguous [P, page_size, D={D}], got {list(kv_cache.shape)}")
-    if kv_cache.dtype not in SUPPORTED["kv_dtypes"]:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {SUPPORTED['kv_dtypes']}")
+    if kv_cache.dtype not in _KV_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {_KV_DTYPES}")
     rope = D - kv_lora_rank
-    if kv_lora_rank not in SUPPORTED["kv_lora_rank"] or rope not in SUPPORTED["rope_dim"]:
+    if kv_lora_rank not in _KV_LORA_RANKS or rope not in _ROPE_DIMS:
         raise ValueError(
             f"kv_lora_rank={kv_lora_rank} and rope_dim=D-kv_lora_rank={rope} must lie in "
-            f"{SUPPORTED['kv_lora_rank']} and {SUPPORTED['rope_dim']} (power-of-two tiles)"
+            f"{_KV_LORA_RANKS} and {_ROPE_DIMS} (power-of-two tiles)"
         )
     N = block_table.shape[0] if block_table.dim() == 2 else -1
     if N < 0 or block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
@@ -517,7 +512,7 @@ def mla_decode_triton(
 
     Returns:
         out [T, H, kv_lora_rank] in q.dtype and lse [T, H] fp32 (natural log). A query that sees no key gets exact
-        zeros and lse -inf. Raises ValueError for inputs outside `SUPPORTED`.
+        zeros and lse -inf. Raises ValueError for inputs outside `CAPS`.
     """
     _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale)
     if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):

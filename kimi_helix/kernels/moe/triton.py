@@ -18,16 +18,20 @@ give every weight tile its own program, read once. Prefill uses 64/128-row tenso
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["MoeConfig", "default_config", "fused_experts_triton"]
+__all__ = ["CAPS", "MoeConfig", "default_config", "fused_experts_triton"]
+
+# What the kernels serve, read by the backend switch.
+CAPS = OpCaps(triton_devices(), FLOATS)
 
 # pairs per program of the align kernel (its rank step is quadratic in this), and per histogram step
 ALIGN_BLOCK, HIST_BLOCK = 128, 1024
@@ -320,7 +324,7 @@ def fused_experts_triton(
         [T, d] in x.dtype (`out` when given).
     """
     T, d, E, I, top_k = _check_inputs(x, gate_up_proj, down_proj, weights, ids)
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"x is on {x.device}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)")
     if out is None:
         out = torch.empty_like(x)
