@@ -66,63 +66,20 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
     return dev(bounds), dev(pairs).reshape(-1, 2), dev(offsets)
 
 
-# Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
-# the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
-# program of the state and output kernels (OUTPUT only applies without STATE["output"]).
+# Launch parameters of the chunk-parallel kernels, tuned on an H200 at T=8192, H=64 by scripts/tune_kda_prefill.py
+# (what each alternative gave is in docs/benchmark-history.md). BKS is the column slice of the intra kernels' dots,
+# BS that of the WY kernel's chunk-wide dots, BV the value columns per program of the state and output kernels
+# (OUTPUT only applies without STATE["output"]).
 #
 # INTRA["wide"] lets the gate kernel route every chunk whose decay spread fits to the chunk-wide factorisation, the
-# rest to the block kernel (or, with INTRA["halves"], first to the per-half pass); without either the block kernel
-# does every chunk. Whole prefill on an H200 at T=8192, H=64
-# (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4 warps and 3 stages
-# 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms), the block kernel for
-# every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block kernel does best at BKS=16
-# with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is sequential over chunks, so
-# narrow programs (many of them) beat wide ones there: STATE["BV"] is the widest, halved while the grid would fill at
-# most half the SMs (run 9 at T=8192, commit f62adfa: H=32 0.88 ms at BV=32, 0.96 at 64; H=64 keeps 64; H=96 at 64
-# is within 3% of the best, 2.37 ms at BV=32).
-#
-# The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
-# against 1.61 at BS=32. INTRA["halves"] enables the per-half pass (chunk_intra_halves.py) for the chunks too wide
-# for the whole-chunk pass (or, without INTRA["wide"], for every chunk that fits); WY["split"] gives each WY column
-# slice its own program. Both lost where timed (split: 1.64 ms at best, run 9; halves after the whole-chunk pass:
-# 1.61 ms at best against 1.59 without, run 11; routed, 1.496 against 1.480, run 12). Running the WY stage as the
-# intra kernels' epilogue lost too (run 10, commit 0413920, reverted: 1.588 ms at best against 1.568; the intra
-# kernels' two programs an SM starve it).
-#
-# STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
-# registers and the output kernel does not run. At T=8192, H=64: 1.483 ms with 4 warps against 1.572 for the two
-# passes (8 warps with o: 1.580, and miscompiled; see _check_state_table).
-#
-# maxnreg caps the registers a thread (None: ptxas's choice). Run 11 (commit 2fd19c0) timed caps of 168 and 128 on
-# the intra kernels and 128 on WY: none beat None by more than the run-to-run spread (the chunk-wide kernel 419 us
-# capped at 168 against 418 uncapped), and the block kernel lost 50-220% capped. Since the gate kernel routes the
-# chunks (run 12), the chunk-wide kernel holds no running spread, and 128 registers gained: 1.462 and 1.463 ms
-# against 1.480 and 1.482 uncapped in two sweeps (commits dfa52e5, eade97d).
-#
-# GATE["BK"] is the gate kernel's column slice. Run 12 (commit eade97d) at T=8192, H=64: the whole 128 columns at
-# once with 4 warps did best for both gates (1.461 ms against 1.482 at BK=32; bounded 1.579 against 1.622).
-#
-# INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
-# almost every chunk's spread too wide for the chunk-wide kernel (on the benchmark's gates no (chunk, head) fits one
-# pivot per 64 rows, every one fits a pivot per 32), so the per-half pass runs alone, the block kernel taking what
-# it leaves. With bound -5 at T=8192, H=64 (run 11, commit 2fd19c0): 1.690 ms (per-half kernel 726 us) against
-# 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best. Routed by the gate kernel (run 12,
-# commit eade97d), the per-half kernel takes 637 us.
-#
-# Since the intra kernels also store the decayed q and k (run 15, commit 6b1859d; store_decayed in chunk_intra.py),
-# the chunk-wide kernel at BKS=32 spills (368 bytes a thread capped at 128 registers, 215 registers uncapped):
-# 1.774 ms capped, 1.414 uncapped, against 1.392 at BKS=16 capped (532 us; 1.401 uncapped, 1.399 at 168). The
-# per-half kernel does best at BKS=32 (1.442 ms with the bounded gate, 723 us; 1.495 at 16), and the lighter WY
-# kernel at 4 warps (184 us against 213 at 8).
-#
-# INTRA's (INTRA_BOUNDED's) BKS, warps, stages and maxnreg launch the chunk-wide kernel, HALVES the per-half kernel
-# for either gate. On the benchmark's given gates 7% of the chunks are too wide for one pivot; each takes a block
-# kernel program ~50 us, so run after the others that kernel added ~120 us of latency. Run 16 (T=8192, H=64,
-# benchmarks/results/ablate_kda_side_stream.jsonl): with BLOCKS["side_stream"] it runs on a stream forked after the
-# gate kernel and launched first, overlapping the other intra kernels, and the per-half pass takes most of those
-# chunks: 1.202-1.205 ms in three sweeps against 1.229-1.232 for neither (side stream alone 1.216-1.222; the per-half
-# pass alone 1.243; the per-half kernel on the side stream too 1.230). The state pass at BV=32 or with 2 stages lost
-# (1.369, 1.332 ms), as did the gate kernel at 8 warps or BK=64 (1.238, 1.234).
+# rest to the per-half pass (INTRA["halves"], chunk_intra_halves.py) and the block kernel; without either the block
+# kernel does every chunk. BLOCKS["side_stream"] runs the block kernel on a stream forked after the gate kernel, so
+# its few long programs overlap the other intra kernels. The state pass is sequential over chunks, so narrow
+# programs beat wide ones: STATE["BV"] is the widest, halved while the grid would fill at most half the SMs, and
+# STATE["output"] computes o in the state pass (the output kernel then does not run). INTRA_BOUNDED replaces INTRA
+# for the lower-bounded (K3) gate, whose per-token decay leaves almost no chunk narrow enough for the chunk-wide
+# kernel. maxnreg caps the registers a thread (None: ptxas's choice). WY["split"] gives each WY column slice its
+# own program (it lost where timed).
 GATE = dict(BK=128, num_warps=4)
 INTRA = dict(wide=True, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=128)
 INTRA_BOUNDED = dict(wide=False, halves=True, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
@@ -140,7 +97,7 @@ def _fit(block: int, dim: int) -> int:
 
 def _check_state_table() -> None:
     """The state pass computes o only at 4 warps: at 8, Triton 3.6 miscompiled it on an H200 (o off by 16% of its
-    norm, or an illegal memory access, at T=2048, H=32; commit 62fc004), while 4 warps and the pass without o at 8
+    norm, or an illegal memory access, at T=2048, H=32), while 4 warps and the pass without o at 8
     warps matched the reference in every case tried."""
     if STATE["output"] and STATE["num_warps"] != 4:
         raise ValueError(f"chunk.STATE with output=True needs num_warps=4 (the only count verified), got {STATE}")

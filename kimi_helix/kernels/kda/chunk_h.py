@@ -92,8 +92,8 @@ def kda_chunk_state_kernel(
 
     h += (boh * H + i_h) * (K * V)
     # G's last row and the rows' scale/|q| feed no dot, so Triton's pipeliner leaves their loads inside the
-    # iteration, which then waits for them (the exp2 of G's row held 15% of the pass's stall samples, ncu on an
-    # H200, run 16): both are loaded a chunk ahead instead.
+    # iteration, which then waits for them (ncu: the exp2 of G's row held 15% of the pass's stall samples): both
+    # are loaded a chunk ahead instead.
     b_glast = _last_decay(G, T, o_k, m_k, H, K, BT)
     b_rq = tl.zeros([BT], dtype=tl.float32)
     if FUSE_OUTPUT:

@@ -61,9 +61,8 @@ def store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, r0, c, T, K: tl.constexpr, 
         qg = exp2(G) q        kd = exp2(G) k        kg = exp2(G_last - G) k
 
     without the L2 norms. Stored here, from registers, the WY kernel reads kd alone (fla's split) where it read q,
-    k and the fp32 G to make all three: on an H200 at T=8192, H=64 (run 15) WY 415 -> 183 us, the chunk-wide intra
-    kernel 385 -> 530, the prefill 1.453 -> 1.393 ms. Stored by a second pass over the chunk after the inverse, as
-    the exact products, they cost the intra kernels more than WY saved (1.542 ms)."""
+    k and the fp32 G to make all three: the WY kernel saves more than the intra kernel pays. Stored by a second pass
+    over the chunk after the inverse, as the exact products, they cost the intra kernels more than WY saved."""
     b_eg = tl.exp2(b_g)
     _store_tile(qg, b_q * b_eg, r0, c, T, K, H * K, BR, BS)
     _store_tile(kd, b_k * b_eg, r0, c, T, K, H * K, BR, BS)
@@ -222,7 +221,7 @@ def zero_above_diagonal(Aqk, T, S, BT: tl.constexpr, BR: tl.constexpr):
 def _unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower-triangular [BC, BC] A (BC <= 32): with N = -A nilpotent, the inverse is
     sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (on an H200 the
-    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this; ablate_kda_intra.jsonl)."""
+    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this; benchmarks/results/history/ablate_kda_intra.jsonl)."""
     o_c = tl.arange(0, BC)
     P = -A
     X = tl.where(o_c[:, None] == o_c[None, :], 1.0, P)

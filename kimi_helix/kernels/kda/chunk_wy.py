@@ -11,8 +11,7 @@ same factor out of ``A_qk``'s columns for the output). The column factor goes in
 the inverse is rounded to the input dtype; the row factor multiplies the fp32 dot results; so no stored value is
 rounded twice. Computed in column slices of ``BS`` so that only ``[BT, BS]`` tiles and the ``[BT, BT]`` inverse
 are live, by one program per chunk or one per slice. The dots take their operands in the input dtype (fp32
-accumulation), as fla's ``recompute_w_u`` does (488 -> 458 us on an H200 at T=8192, H=64, run 9, against fp32
-operands at tf32).
+accumulation), as fla's ``recompute_w_u`` does: faster than fp32 operands at tf32 (docs/benchmark-history.md).
 """
 
 from __future__ import annotations

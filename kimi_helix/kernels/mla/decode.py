@@ -357,10 +357,10 @@ def mla_decode_combine_kernel(
 
 
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
-# launch spends more host time (two descriptors encoded per call; run 14 on the H200's host: 40-150 us more than a
-# gathered launch) while saving little GPU time on small launches (CUDA-graph replays, run 14: at most 25 us below
-# 2^24, up to 29% of the GPU time above it, one case 2% slower). Without CUDA graphs a small launch is bound by
-# the host, so below this size the gathered kernel finishes first.
+# launch spends more host time (two descriptors encoded per call: 40-150 us more than a gathered launch on the
+# H200's host) while saving little GPU time on small launches (at most 25 us below 2^24 in CUDA-graph replays, up to
+# 29% of the GPU time above it). Without CUDA graphs a small launch is bound by the host, so below this size the
+# gathered kernel finishes first.
 TMA_MIN_WORK = 1 << 24
 
 
@@ -401,8 +401,8 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
 _WGMMA_SMEM = 227 * 1024 - 2048
 
 # The wgmma kernel takes sequences longest first (`decode_wgmma._longest_first`) where each program carries a whole
-# sequence's keys (no split-KV) and the programs fill more than one wave: H200 run 20, H=32 s_q=4 at b=128 (two
-# waves, lengths +-25%) 10% faster. Each program ranks all N sequences (O(N^2) work), so only up to this many; with
+# sequence's keys (no split-KV) and the programs fill more than one wave: 10% faster on an H200 at H=32 s_q=4, b=128
+# (two waves, lengths +-25%). Each program ranks all N sequences (O(N^2) work), so only up to this many; with
 # split-KV it measured from 10% slower to 2% faster, so split launches keep the sequences' order.
 LONGEST_FIRST_MAX_SEQS = 255
 
