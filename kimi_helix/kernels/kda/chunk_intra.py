@@ -221,7 +221,8 @@ def zero_above_diagonal(Aqk, T, S, BT: tl.constexpr, BR: tl.constexpr):
 def _unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower-triangular [BC, BC] A (BC <= 32): with N = -A nilpotent, the inverse is
     sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (on an H200 the
-    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this; benchmarks/results/history/ablate_kda_intra.jsonl)."""
+    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this;
+    benchmarks/results/history/ablate_kda_intra.jsonl)."""
     o_c = tl.arange(0, BC)
     P = -A
     X = tl.where(o_c[:, None] == o_c[None, :], 1.0, P)
