@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kimi_helix.kernels.mla.naive import mla_prefill_ref
-from kimi_helix.kernels.mla.prefill import mla_prefill_triton
+from kimi_helix.kernels.mla.prefill import mla_prefill_triton, tile_config
 
 from .conftest import TOL, assert_rel_close
 
@@ -93,6 +93,25 @@ def test_triton_kimi_dims(nan_empty):
     q, k, v, cu_q, cu_k = make_inputs(pairs, 2, 192, 128, torch.float32)
     out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
     r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
+    assert_rel_close("out", out, r_out, 1e-5)
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+def prefix_sweep(block_n: int, tq: int) -> list[tuple[int, int]]:
+    """One sequence per cached prefix 0 .. 2 * block_n, each with `tq` new tokens: chunked prefill leaves arbitrary
+    prefixes, so the diagonal key block's limit must hold at every remainder modulo the key block."""
+    return [(tq, prefix + tq) for prefix in range(2 * block_n + 1)]
+
+
+@needs_triton
+@pytest.mark.parametrize("tq", [1, 7, 33])
+def test_triton_every_prefix_remainder(tq, nan_empty):
+    """Small head dims keep the interpreter fast; the tile is the one this device's launch uses."""
+    block_n = tile_config(torch.float32, 32, 16)[1]
+    pairs = prefix_sweep(block_n, tq)
+    q, k, v, cu_q, cu_k = make_inputs(pairs, 1, 32, 16, torch.float32, seed=tq)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
     assert_rel_close("out", out, r_out, 1e-5)
     assert_rel_close("lse", lse, r_lse, 1e-5)
 
@@ -189,6 +208,19 @@ def test_gpu_other_dims(dims):
     q, k, v, cu_q, cu_k = make_inputs([(70, 200), (129, 129), (0, 5), (1, 64)], 4, *dims, torch.bfloat16, device=device)
     out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.1)
     r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.1)
+    assert_rel_close("out", out, r_out, TOL[torch.bfloat16])
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq", [1, 37, 130])
+def test_gpu_every_prefix_remainder(tq):
+    """The compiled kernel's own key block at Kimi's dims (bf16: BLOCK_N 64), every cached prefix 0 .. 2 * BLOCK_N."""
+    device = _gpu()
+    block_n = tile_config(torch.bfloat16, 192, 128)[1]
+    q, k, v, cu_q, cu_k = make_inputs(prefix_sweep(block_n, tq), 4, 192, 128, torch.bfloat16, seed=tq, device=device)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
     assert_rel_close("out", out, r_out, TOL[torch.bfloat16])
     assert_rel_close("lse", lse, r_lse, 1e-5)
 

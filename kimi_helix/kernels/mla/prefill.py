@@ -19,7 +19,7 @@ import triton.language as tl
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.device import interpreting, triton_devices
 
-__all__ = ["CAPS", "mla_prefill_triton"]
+__all__ = ["CAPS", "mla_prefill_triton", "tile_config"]
 
 # What this kernel serves, read by the backend switch. "pow2_pair": Dqk and Dv are each a power of two >= 16 or a
 # sum of two such.
@@ -169,7 +169,7 @@ _GPU_CONFIGS = ((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)
 _SMEM_BYTES = 200 * 1024  # Hopper allows 227 KB per block; leave room for layout-conversion scratch
 
 
-def _config(dtype: torch.dtype, dqk: int, dv: int) -> tuple[int, int, int, int]:
+def tile_config(dtype: torch.dtype, dqk: int, dv: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles under the CPU interpreter keep tests fast while
     still covering several query and key blocks per sequence (BLOCK_M > BLOCK_N, as on the GPU)."""
     if interpreting():
@@ -318,4 +318,4 @@ def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         raise ValueError(f"scale must be positive, got {scale}")
     # The kernel assumes unit stride along the head dim (vector loads); token/head strides are free.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, _config(q.dtype, q.shape[2], v.shape[2]))
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, tile_config(q.dtype, q.shape[2], v.shape[2]))
