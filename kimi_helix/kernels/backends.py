@@ -244,8 +244,8 @@ class BackendChoice:
 
     def __post_init__(self):
         for kind, name in (("attention", self.attention), ("kernels", self.kernels)):
-            allowed = backend_names(kind)
-            if name is not None and name not in allowed:
+            if name is not None and name not in backend_names(kind):
+                allowed = backend_names(kind)
                 raise ValueError(f"{kind} backend must be None (automatic) or one of {allowed}, got {name!r}")
 
     @classmethod

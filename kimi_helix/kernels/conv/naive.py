@@ -51,6 +51,7 @@ def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     return y, xs
 
 
+# Twin of `triton.causal_conv1d_triton` (same signature and contract): change them together.
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

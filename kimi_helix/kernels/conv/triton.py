@@ -188,6 +188,7 @@ def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int
         raise ValueError(f"{name} must be contiguous along D (it is read and written in place)")
 
 
+# Twin of `naive.causal_conv1d` (same signature and contract): change them together.
 def causal_conv1d_triton(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -112,6 +112,7 @@ def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
     return BV
 
 
+# Twin of `naive.naive_chunk_kda` (same signature and contract): an argument added to one goes into the other.
 def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,

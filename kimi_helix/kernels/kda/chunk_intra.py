@@ -304,6 +304,8 @@ def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
     _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
 
 
+# The three intra kernels (this, `chunk_intra_blocks`, `chunk_intra_halves`) take the same arguments on purpose:
+# the gate kernel's route gives each chunk to one of them, and `chunk.py` launches all three alike.
 @triton.jit
 def kda_chunk_intra_kernel(
     q,

@@ -123,6 +123,7 @@ def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, H: tl.cons
     return A_kk * (rk_i * b_i)[:, None] * rk_j[None, :]
 
 
+# Same arguments as `chunk_intra.kda_chunk_intra_kernel` on purpose (see there).
 @triton.jit
 def kda_chunk_intra_blocks_kernel(
     q,

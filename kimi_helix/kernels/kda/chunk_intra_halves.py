@@ -35,6 +35,7 @@ def _factors(b_d, m, b_k):
             tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf")))))  # fmt: skip
 
 
+# Same arguments as `chunk_intra.kda_chunk_intra_kernel` on purpose (see there).
 @triton.jit
 def kda_chunk_intra_halves_kernel(
     q,

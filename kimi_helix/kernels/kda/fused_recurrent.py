@@ -160,6 +160,7 @@ def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, i
     return x, x.stride(0), x.stride(1)
 
 
+# Twin of `naive.naive_recurrent_kda` (same signature and contract, plus the state pool and the in-kernel gate).
 def fused_recurrent_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,

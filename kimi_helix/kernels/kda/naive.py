@@ -147,6 +147,7 @@ def _recurrent_segment(q, k, v, g, beta, S, keep_states):
     return o, S, states
 
 
+# Same signature as `naive_chunk_kda` and the Triton twin `fused_recurrent.fused_recurrent_kda_triton`.
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -249,6 +250,7 @@ def _chunk_segment(q, k, v, g, beta, S, chunk_size):
     return o.transpose(1, 2), S, None
 
 
+# Same signature as `naive_recurrent_kda` and the Triton twin `chunk.chunk_kda_triton`: change them together.
 def naive_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -263,6 +263,7 @@ def mla_decode_fwd_kernel(
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
+    # Rows, bounds and split range: twin of `decode_wgmma`'s kernel (same contract); a fix here goes there too.
     kv_len = tl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = tl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)

@@ -17,7 +17,7 @@ first each gained on top (docs/benchmarks.md has the current times, docs/benchma
 
 Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by `decode.mla_decode_combine_kernel`)
 for 16-bit q with a cache of the same dtype whose pages TMA can copy; `decode._wgmma_ok` says when it serves a call.
-Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/test_mla_decode.py::test_gpu_wgmma_kernel` checks
+Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/mla/test_gpu.py::test_gpu_wgmma_kernel` checks
 this one against the torch reference on the GPU, and a CPU test compiles it for sm_90.
 """
 
@@ -333,6 +333,7 @@ def mla_decode_wgmma_kernel(
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
+    # Rows, bounds and split range: twin of `decode`'s Triton kernel (same contract); a fix here goes there too.
     kv_len = gl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)

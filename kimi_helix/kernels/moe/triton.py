@@ -152,6 +152,7 @@ def _block_rows(
     return expert.to(tl.int64), rows, pairs, valid
 
 
+# Twin of `moe_down_kernel` (the second GEMM): the same block skip and row gather open both; fix them together.
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr,
@@ -218,6 +219,7 @@ def moe_gate_up_kernel(
     tl.store(inter_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < inter_size))
 
 
+# Twin of `moe_gate_up_kernel` (the first GEMM): see there.
 @triton.jit
 def moe_down_kernel(
     inter_ptr,

@@ -1,52 +1,64 @@
-"""Triton chunked KDA prefill against the torch references: lengths around the chunk size, every chunk size,
-fp32/fp16, varlen == per sequence, state pool in place, in-kernel gate (both diagonal paths), strong and steadily
-strong gates, every intra path (chunk-wide with its fallback, with the per-half relaunch, the per-half pass alone,
-blocks only), both WY launch shapes; bf16 at real shapes and fla parity on the GPU; plus smoke runs of the prefill
-benchmark, the launch tuner and kernel_resources.py."""
+"""KDA: the Triton kernels against the torch references, on the CPU interpreter or a GPU."""
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda
 from kimi_helix.kernels.kda.chunk import chunk_kda_triton
+from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
 
-from .conftest import DEVICE, TOL, assert_rel_close, make_kda_inputs
-
-H, K, V = 2, 32, 16  # K != V so a transposed state cannot pass; K spans two 16-wide slices of the intra kernel
-LENS = [17, 0, 5, 40]  # packed sequences: across a chunk boundary, empty, short, three chunks of 16
-make_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, dtype; h, k, v overridable
+from ..conftest import DEVICE, TOL, assert_rel_close, cu_seqlens, kda_prefill_then_decode, make_kda_inputs
+from .conftest import H_R, K_R, V_R, H, K, V, make_recurrent_inputs
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-@pytest.fixture(
-    params=[(True, False), (True, True), (False, True), (False, False)], ids=["wide", "halves", "halves-only", "blocks"]
-)
-def intra_path(request, monkeypatch):
-    """Every intra path: the chunk-wide kernel first (falling back per chunk to the block kernel), with or without
-    its per-half relaunch in between, the per-half pass alone before the block kernel, or the block kernel for every
-    chunk (["wide"], ["halves"] of chunk.INTRA and, for the bounded gate, chunk.INTRA_BOUNDED)."""
+CHUNK_LENS = [17, 0, 5, 40]  # packed sequences: across a chunk boundary, empty, short, three chunks of 16
+
+
+make_chunk_inputs = functools.partial(make_kda_inputs, h=H, k=K, v=V)  # B, T, seed, dtype; h, k, v overridable
+
+
+def _steady_decay_inputs(T=136):
+    """Log-decays near -4 per token on a quarter of the channels of every token, mild elsewhere."""
+    q, k, v, _, beta, s0, _, _ = make_chunk_inputs(1, T, seed=29, h=1)
+    gen = torch.Generator().manual_seed(1)
+    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
+    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
+    return q, k, v, g.to(DEVICE), beta, s0
+
+
+@pytest.fixture
+def routes_seen(monkeypatch):
+    """The route [NT, H] of every chunk_kda call, recorded at the block kernel's launch (which always runs)."""
     from kimi_helix.kernels.kda import chunk
 
-    for table in (chunk.INTRA, chunk.INTRA_BOUNDED):
-        monkeypatch.setitem(table, "wide", request.param[0])
-        monkeypatch.setitem(table, "halves", request.param[1])
+    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
+    at = blocks.arg_names.index("route")
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[at].clone())
+                return blocks[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
+    return seen
+
+
+RECURRENT_LENS = [3, 1, 9, 0, 5]  # packed sequences, one of them empty
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 40])
 @pytest.mark.usefixtures("intra_path")
 def test_matches_references(T):
-    q, k, v, g, beta, s0, _, _ = make_inputs(2, T, seed=T)
+    q, k, v, g, beta, s0, _, _ = make_chunk_inputs(2, T, seed=T)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = chunk_kda_triton(q, k, v, g, beta, chunk_size=16, **kw)
     assert o.dtype == q.dtype and s.dtype == torch.float32 and s.shape == (2, H, K, V)
@@ -62,7 +74,7 @@ def test_matches_references(T):
 @pytest.mark.usefixtures("intra_path")
 def test_large_chunks(chunk_size, dtype):
     """The production tiles: 2 and 4 sub-blocks per chunk, a partial last chunk."""
-    q, k, v, g, beta, s0, _, _ = make_inputs(1, 70, seed=chunk_size, dtype=dtype, h=1)
+    q, k, v, g, beta, s0, _, _ = make_chunk_inputs(1, 70, seed=chunk_size, dtype=dtype, h=1)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = chunk_kda_triton(q, k, v, g, beta, chunk_size=chunk_size, **kw)
     o_r, s_r = naive_chunk_kda(q, k, v, g, beta, **kw)
@@ -75,7 +87,7 @@ def test_wy_split_equals_one_program(monkeypatch):
     bit-identical results to one program per chunk, and both match the reference."""
     from kimi_helix.kernels.kda import chunk
 
-    q, k, v, g, beta, s0, _, _ = make_inputs(1, 40, seed=23)
+    q, k, v, g, beta, s0, _, _ = make_chunk_inputs(1, 40, seed=23)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     monkeypatch.setitem(chunk.WY, "BS", 16)
     results = []
@@ -95,8 +107,8 @@ def test_output_in_state_pass_equals_output_kernel(monkeypatch, dtype):
     output kernel reads back, over packed sequences with a partial last chunk; both match the reference."""
     from kimi_helix.kernels.kda import chunk
 
-    q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=29, dtype=dtype, n_states=len(LENS))
-    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v, g, beta, s0, _, _ = make_chunk_inputs(1, sum(CHUNK_LENS), seed=29, dtype=dtype, n_states=len(CHUNK_LENS))
+    cu = torch.tensor([0, *torch.tensor(CHUNK_LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     results = {}
     for fused in (False, True):
@@ -113,7 +125,7 @@ def test_state_pass_output_needs_four_warps(monkeypatch):
     """Triton miscompiled the state pass with o at 8 warps (wrong o, illegal accesses on an H200): refused."""
     from kimi_helix.kernels.kda import chunk
 
-    q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
+    q, k, v, g, beta, _, _, _ = make_chunk_inputs(1, 20, seed=5, h=1)
     monkeypatch.setitem(chunk.STATE, "num_warps", 8)
     with pytest.raises(ValueError, match="num_warps=4"):
         chunk_kda_triton(q, k, v, g, beta, chunk_size=16)
@@ -122,7 +134,7 @@ def test_state_pass_output_needs_four_warps(monkeypatch):
 
 
 def test_no_l2norm_custom_scale_no_state():
-    q, k, v, g, beta, _, _, _ = make_inputs(1, 20, seed=5, h=1)
+    q, k, v, g, beta, _, _, _ = make_chunk_inputs(1, 20, seed=5, h=1)
     k = torch.nn.functional.normalize(k, dim=-1)  # an unnormalised key makes the delta rule blow up
     o, s = chunk_kda_triton(q, k, v, g, beta, scale=0.37, chunk_size=16)
     assert s is None
@@ -132,10 +144,10 @@ def test_no_l2norm_custom_scale_no_state():
 @pytest.mark.parametrize("dtype, chunk_size", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 64)],
                          ids=["fp32", "fp16", "fp32-64"])  # fmt: skip
 @pytest.mark.usefixtures("intra_path")
-def test_varlen_equals_per_sequence(dtype, chunk_size):
+def test_chunk_varlen_equals_per_sequence(dtype, chunk_size):
     """At 64-token chunks every sequence is one partial chunk, shorter and longer than half of one."""
-    q, k, v, g, beta, s0, _, _ = make_inputs(1, sum(LENS), seed=7, dtype=dtype, n_states=len(LENS))
-    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v, g, beta, s0, _, _ = make_chunk_inputs(1, sum(CHUNK_LENS), seed=7, dtype=dtype, n_states=len(CHUNK_LENS))
+    cu = torch.tensor([0, *torch.tensor(CHUNK_LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
     o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
     for n, (b, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -153,9 +165,9 @@ def test_varlen_equals_per_sequence(dtype, chunk_size):
 
 
 @pytest.mark.parametrize("output_final_state", [True, False])
-def test_state_pool_in_place(output_final_state):
-    q, k, v, g, beta, _, _, _ = make_inputs(1, sum(LENS), seed=9)
-    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+def test_chunk_state_pool_in_place(output_final_state):
+    q, k, v, g, beta, _, _, _ = make_chunk_inputs(1, sum(CHUNK_LENS), seed=9)
+    cu = torch.tensor([0, *torch.tensor(CHUNK_LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     pool = torch.randn(7, H, K, V, device=DEVICE) * 0.3
     slots = torch.tensor([5, 0, 3, 6], device=DEVICE)
     before = pool.clone()
@@ -179,9 +191,9 @@ def test_state_pool_in_place(output_final_state):
     "lower_bound, chunk_size", [(None, 16), (None, 64), (-5.0, 64), (-20.0, 16)], ids=["16", "64", "lb5-64", "lb20-16"]
 )
 @pytest.mark.usefixtures("intra_path")
-def test_gate_in_kernel(lower_bound, chunk_size):
+def test_chunk_gate_in_kernel(lower_bound, chunk_size):
     """Raw pre-activation in, log-decay computed in the kernel (lb=-20 sends most diagonal blocks to the exact loop)."""
-    q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 40, seed=13, h=1, raw_gate=True)
+    q, k, v, f, beta, s0, A_log, dt_bias = make_chunk_inputs(1, 40, seed=13, h=1, raw_gate=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = chunk_kda_triton(
         q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, **kw
@@ -199,7 +211,7 @@ def test_strong_gates_stay_finite(chunk_size):
     (its cumulative decays fall far below exp(-88)) and the others the factored dot; the chunks around it stay
     chunk-wide, in the same call."""
     T = 136
-    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=17, h=1)
+    q, k, v, _, beta, s0, _, _ = make_chunk_inputs(1, T, seed=17, h=1)
     gen = torch.Generator().manual_seed(0)
     g = -torch.rand(1, T, 1, K, generator=gen) * 0.05
     g[:, 80:96, :, 1::2] = -torch.rand(1, 16, 1, K // 2, generator=gen) * 80.0
@@ -214,15 +226,6 @@ def test_strong_gates_stay_finite(chunk_size):
     assert_rel_close("final_state", s, s_r, tol)
 
 
-def _steady_decay_inputs(T=136):
-    """Log-decays near -4 per token on a quarter of the channels of every token, mild elsewhere."""
-    q, k, v, _, beta, s0, _, _ = make_inputs(1, T, seed=29, h=1)
-    gen = torch.Generator().manual_seed(1)
-    g = -torch.rand(1, T, 1, K, generator=gen) * 0.1
-    g[..., ::4] = -4.0 + torch.rand(1, T, 1, K // 4, generator=gen) * 0.5
-    return q, k, v, g.to(DEVICE), beta, s0
-
-
 @pytest.mark.parametrize("chunk_size", [32, 64])
 @pytest.mark.usefixtures("intra_path")
 def test_steady_strong_decay(chunk_size):
@@ -234,26 +237,6 @@ def test_steady_strong_decay(chunk_size):
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     assert_rel_close("o", o, o_r, 1e-5)
     assert_rel_close("final_state", s, s_r, 1e-5)
-
-
-@pytest.fixture
-def routes_seen(monkeypatch):
-    """The route [NT, H] of every chunk_kda call, recorded at the block kernel's launch (which always runs)."""
-    from kimi_helix.kernels.kda import chunk
-
-    blocks, seen = chunk.kda_chunk_intra_blocks_kernel, []
-    at = blocks.arg_names.index("route")
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(args[at].clone())
-                return blocks[grid](*args, **kw)
-
-            return launch
-
-    monkeypatch.setattr(chunk, "kda_chunk_intra_blocks_kernel", Recorder())
-    return seen
 
 
 def test_steady_strong_decay_fits_the_halves(monkeypatch, routes_seen):
@@ -283,7 +266,7 @@ def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, routes_seen, lo
     for table in (chunk.INTRA, chunk.INTRA_BOUNDED):
         monkeypatch.setitem(table, "wide", True)
         monkeypatch.setitem(table, "halves", True)
-    q, k, v, f, beta, s0, A_log, dt_bias = make_inputs(1, 200, seed=13, raw_gate=True)
+    q, k, v, f, beta, s0, A_log, dt_bias = make_chunk_inputs(1, 200, seed=13, raw_gate=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
     o, s = chunk_kda_triton(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
@@ -293,8 +276,8 @@ def test_gate_in_kernel_routes_like_the_given_decay(monkeypatch, routes_seen, lo
     assert_rel_close("final_state", s, s_g, 1e-5)
 
 
-def test_bad_arguments_raise():
-    q, k, v, g, beta, s0, A_log, dt_bias = make_inputs(1, 4, seed=0)
+def test_chunk_bad_arguments_raise():
+    q, k, v, g, beta, s0, A_log, dt_bias = make_chunk_inputs(1, 4, seed=0)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda_triton(q, k, v, g, beta, chunk_size=48)
     with pytest.raises(ValueError, match="together"):
@@ -309,116 +292,149 @@ def test_bad_arguments_raise():
         chunk_kda_triton(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
 
 
-def test_bench_smoke(tmp_path):
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kda.py"
-    spec = importlib.util.spec_from_file_location("bench_kda", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--phase", "prefill", "--smoke", "--out", str(tmp_path)])
-    rows = [json.loads(line) for line in (tmp_path / "kda_prefill.jsonl").read_text().splitlines()]
-    assert rows and {"gpu", "date", "commit", "T", "H", "backend", "ms", "tflops"} <= rows[0].keys()
-    assert {r["backend"] for r in rows} >= {"triton", "triton_gate"}
-
-
-def test_tune_smoke(tmp_path):
-    from kimi_helix.kernels.kda import chunk
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_kda_prefill.py"
-    spec = importlib.util.spec_from_file_location("tune_kda_prefill", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
-    committed = {t: getattr(chunk, t) for t in tune.CANDIDATES}
-    tune.main(["--smoke", "--out", str(tmp_path), "--lower-bound", "-5"])  # the bounded gate, computed in the kernel
-    rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
-    assert rows and all(r["error"] is None and r["ms"] > 0 and r["lower_bound"] == -5 for r in rows), rows
-    # INTRA_BOUNDED serves the bounded gate; the output kernel runs only where the state pass leaves o to it
-    unused = {"INTRA"} | ({"OUTPUT"} if chunk.STATE["output"] else set())
-    assert {r["table"] for r in rows} == set(tune.CANDIDATES) - unused
-    for table in unused:
-        with pytest.raises(SystemExit):
-            tune.main(["--smoke", "--tables", table, "--lower-bound", "-5"])
-    assert {t: getattr(chunk, t) for t in tune.CANDIDATES} == committed  # settings restored
-
-
-def test_kernel_resources_smoke():
-    """scripts/kernel_resources.py compiles for sm_90 without a GPU (so outside the interpreter) and reads the cubin."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "kernel_resources.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, str(script), "--ops", "kda", "--only", "kda gate"], env=env, capture_output=True, text=True
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "state"])
+def test_matches_naive(dtype, varlen, with_state):
+    B, T = (1, sum(RECURRENT_LENS)) if varlen else (3, 4)
+    q, k, v, g, beta, s0, _, _ = make_recurrent_inputs(
+        B, T, seed=1, dtype=dtype, n_states=len(RECURRENT_LENS) if varlen else None
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = [line for line in out.stdout.splitlines() if line.startswith("| kda gate")]
-    assert len(row) == 1, out.stdout
-    regs = int(row[0].split("|")[4])
-    assert 0 < regs <= 255, row
+    kw = dict(
+        initial_state=s0 if with_state else None,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens(RECURRENT_LENS) if varlen else None,
+    )
+    o, s = fused_recurrent_kda_triton(q, k, v, g, beta, **kw)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    assert_rel_close("o", o, o_ref, TOL[dtype])
+    assert_rel_close("final_state", s, s_ref, 1e-5)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# GPU: bf16 at Kimi-Linear shapes against the fp32 torch reference, and against fla when it is installed
+def test_no_l2norm_custom_scale_no_final_state():
+    q, k, v, g, beta, s0, _, _ = make_recurrent_inputs(2, 3, seed=2)
+    k = k / k.norm(dim=-1, keepdim=True)  # an unnormalised key makes the delta rule expansive
+    o, s = fused_recurrent_kda_triton(q, k, v, g, beta, scale=0.37, initial_state=s0)
+    o_ref, _ = naive_recurrent_kda(q, k, v, g, beta, scale=0.37, initial_state=s0)
+    assert s is None
+    assert_rel_close("o", o, o_ref, 1e-5)
 
 
-def _real_inputs(T, seed, lower_bound=None, n_states=1):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
-
-    Hr, D = 32, 128
-    q, k, v, f = rnd(1, T, Hr, D), rnd(1, T, Hr, D), rnd(1, T, Hr, D), rnd(1, T, Hr, D)
-    A_log, dt_bias = rnd(Hr) * 0.5, rnd(Hr * D) * 0.5 - 1.0
-    beta = torch.sigmoid(rnd(1, T, Hr))
-    s0 = rnd(n_states, Hr, D, D) * 0.1
-    bf = [t.bfloat16() for t in (q, k, v, f, beta)]
-    return bf, A_log, dt_bias, s0, kda_gate(bf[3], A_log, dt_bias, lower_bound)
+def test_recurrent_varlen_equals_per_sequence():
+    q, k, v, g, beta, s0, _, _ = make_recurrent_inputs(1, sum(RECURRENT_LENS), seed=3, n_states=len(RECURRENT_LENS))
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    bounds = cu_seqlens(RECURRENT_LENS).tolist()
+    o, s = fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu_seqlens(RECURRENT_LENS), **kw)
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        x = [t[:, a:b] for t in (q, k, v, g, beta)]
+        o_n, s_n = fused_recurrent_kda_triton(*x, initial_state=s0[n : n + 1], **kw)
+        assert torch.equal(o[:, a:b], o_n), f"o[seq {n}]"
+        assert torch.equal(s[n : n + 1], s_n), f"state[seq {n}]"
+    assert torch.equal(s[3], s0[3])  # the empty sequence keeps its state
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("gate_in_kernel, lower_bound", [(False, None), (True, None), (True, -5.0)])
-@pytest.mark.usefixtures("intra_path")
-def test_gpu_bf16_real_shapes(gate_in_kernel, lower_bound):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    (q, k, v, f, beta), A_log, dt_bias, s0, g = _real_inputs(2048, seed=1, lower_bound=lower_bound)
-    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    if gate_in_kernel:
-        o, s = chunk_kda_triton(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
-    else:
-        o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
-    o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
-    assert o.dtype == torch.bfloat16
-    assert_rel_close("o", o, o_r, TOL[torch.bfloat16])
-    assert_rel_close("final_state", s, s_r, TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("intra_path")
-def test_gpu_bf16_varlen_pool():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    lens = [1000, 1, 64, 0, 983]
-    (q, k, v, _, beta), _, _, pool, g = _real_inputs(sum(lens), seed=2, n_states=8)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    slots = torch.tensor([6, 1, 4, 0, 2], device="cuda")
+@pytest.mark.parametrize("output_final_state", [False, True])
+def test_recurrent_state_pool_in_place(output_final_state):
+    lens, slots = [2, 1, 4], torch.tensor([5, 0, 3], device=DEVICE)
+    q, k, v, g, beta, pool, _, _ = make_recurrent_inputs(1, sum(lens), seed=4, n_states=7)
     before = pool.clone()
-    o, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
-                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
-    o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=before[slots],
-                               output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
-    assert_rel_close("o", o, o_r, TOL[torch.bfloat16])
-    assert_rel_close("pool slots", pool[slots], s_r, TOL[torch.bfloat16])
-    assert torch.equal(pool[[3, 5, 7]], before[[3, 5, 7]])
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens))
+    o, ret = fused_recurrent_kda_triton(
+        q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=output_final_state, **kw
+    )
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=before[slots], output_final_state=True, **kw)
+    assert_rel_close("o", o, o_ref, 1e-5)
+    untouched = [i for i in range(7) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+    if output_final_state:
+        assert ret is pool
+        assert_rel_close("pool slots", pool[slots], s_ref, 1e-5)
+    else:
+        assert ret is None and torch.equal(pool, before)
 
 
-@pytest.mark.gpu
-@pytest.mark.usefixtures("intra_path")
-def test_gpu_parity_with_fla():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    fla_kda = pytest.importorskip("fla.ops.kda")
-    (q, k, v, _, beta), _, _, s0, g = _real_inputs(2048, seed=3)
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_intermediate_states_equal_decode_steps(varlen):
+    """Verify (T = k + 1 tokens at once) returns every per-token state; decoding token by token reproduces them."""
+    lens = [4, 2, 5] if varlen else [4, 4]
+    B, T = (1, sum(lens)) if varlen else (2, 4)
+    q, k, v, g, beta, pool, _, _ = make_recurrent_inputs(B, T, seed=5, n_states=6)
+    slots = torch.tensor([4, 1, 2][: len(lens)], device=DEVICE)
+    start = pool.clone()
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens) if varlen else None)
+    o, states = fused_recurrent_kda_triton(
+        q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
+        return_intermediate_states=True, **kw,
+    )  # fmt: skip
+    assert states.shape == (B * T, H_R, K_R, V_R)
+    flat = [t.flatten(0, 1) for t in (q, k, v, g, beta)]
+    offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
+    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        s = start[slots[n]][None]
+        for t in range(a, b):
+            step = [x[t][None, None] for x in flat]
+            o_t, s = fused_recurrent_kda_triton(
+                *step, initial_state=s, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+            assert_rel_close(f"o[{t}]", o.flatten(0, 1)[t], o_t[0, 0], 1e-6)
+            assert_rel_close(f"states[{t}]", states[t], s[0], 1e-6)
+        assert_rel_close(f"pool[{slots[n]}]", pool[slots[n]], s[0], 1e-6)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_recurrent_gate_in_kernel(lower_bound, dtype):
+    q, k, v, f, beta, s0, A_log, dt_bias = make_recurrent_inputs(2, 3, seed=6, dtype=dtype, raw_gate=True)
+    f[0, 0, 0, :4] = torch.tensor([30.0, 25.0, -30.0, 0.0], dtype=dtype)  # softplus' linear branch and its tail
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
-    o_f, s_f = fla_kda.chunk_kda(q, k, v, g, beta, **kw)
-    assert_rel_close("o vs fla", o, o_f, TOL[torch.bfloat16])
-    assert_rel_close("final_state vs fla", s, s_f.float(), TOL[torch.bfloat16])
+    o, s = fused_recurrent_kda_triton(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **kw)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    o_ref, s_ref = fused_recurrent_kda_triton(q, k, v, g, beta, **kw)
+    assert_rel_close("o", o, o_ref, TOL[dtype])
+    assert_rel_close("final_state", s, s_ref, 1e-5)
+    o_naive, _ = naive_recurrent_kda(q, k, v, g, beta, **kw)
+    assert_rel_close("o vs naive", o, o_naive, TOL[dtype])
+
+
+def test_prefill_then_decode():
+    T = 9
+    q, k, v, g, beta, s0, _, _ = make_recurrent_inputs(2, T, seed=7)
+    o, s, o_full, s_full = kda_prefill_then_decode(fused_recurrent_kda_triton, q, k, v, g, beta, s0, prefill_len=T - 5)
+    assert_rel_close("o", o, o_full, 1e-5)
+    assert_rel_close("final_state", s, s_full, 1e-5)
+
+
+def test_strided_inputs():
+    """q, k, v sliced from one fused projection (token stride 3HK) are read in place, without copies."""
+    q, k, v, g, beta, s0, _, _ = make_recurrent_inputs(2, 3, seed=8, v=K_R)
+    qkv = torch.cat([q, k, v], dim=-1).flatten(2).reshape(2, 3, 3, H_R, K_R)
+    qs, ks, vs = qkv.unbind(2)
+    assert not qs.is_contiguous()
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = fused_recurrent_kda_triton(qs, ks, vs, g, beta, **kw)
+    o_ref, s_ref = naive_recurrent_kda(qs, ks, vs, g, beta, **kw)
+    assert_rel_close("o", o, o_ref, 1e-5)
+    assert_rel_close("final_state", s, s_ref, 1e-5)
+
+
+def test_recurrent_bad_arguments_raise():
+    q, k, v, g, beta, s0, A_log, dt_bias = make_recurrent_inputs(2, 2, seed=9)
+    with pytest.raises(ValueError, match="k must"):
+        fused_recurrent_kda_triton(q, k[..., :-1], v, g, beta)
+    with pytest.raises(ValueError, match="beta must"):
+        fused_recurrent_kda_triton(q, k, v, g, beta[..., None])
+    with pytest.raises(ValueError, match="cu_seqlens requires"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, cu_seqlens=cu_seqlens([1, 1]))
+    with pytest.raises(ValueError, match="initial_state"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=s0[:1])
+    with pytest.raises(ValueError, match="pool"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, state_indices=torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="fp32"):
+        slots = torch.tensor([0, 1]).to(DEVICE)
+        fused_recurrent_kda_triton(q, k, v, g, beta, initial_state=s0.half(), state_indices=slots)
+    with pytest.raises(ValueError, match="together"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log)
+    with pytest.raises(ValueError, match="lower_bound"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=1.0)
