@@ -83,7 +83,7 @@ def _committed(key) -> decode.Schedule:
 
 def tile_key(case) -> tuple[int, int]:
     b, h, s_q, _, kv = case
-    cfg, _ = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2, KV_LORA)
+    cfg, _ = decode.choose_tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2, KV_LORA)
     return (1 if kv == "fp8" else 2, cfg["BLOCK_Q"] * cfg["BLOCK_H"])
 
 

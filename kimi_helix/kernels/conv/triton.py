@@ -16,6 +16,7 @@ from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_inde
 from kimi_helix.kernels.conv.naive import check_weight
 from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.sequences import sequence_span
 
 __all__ = ["CAPS", "causal_conv1d_triton", "causal_conv1d_update_triton"]
 
@@ -105,13 +106,7 @@ def causal_conv1d_final_state_kernel(
     # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
     # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free.
     i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n * T
-        eos = bos + T
-    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
     o_w = tl.arange(0, BW)
     o_d = i_d * BD + tl.arange(0, BD)
     m = (o_w < W - 1)[:, None] & (o_d < D)[None, :]

@@ -204,7 +204,7 @@ def chunk_kda_triton(
             H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE=A_log is not None,
             LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
         )  # fmt: skip
-        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
+        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm_in_kernel, DOT_PRECISION=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
 
         def launch(kernel, cfg):
@@ -231,22 +231,22 @@ def chunk_kda_triton(
         slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
             kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
-            H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PREC=dot_prec,
+            H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PRECISION=dot_prec,
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
         )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(cdiv(V, BV), N * H)](
         w, u, kg, G, qg, Aqk, rnorm, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        USE_STATE_INDICES=state_indices is not None, FUSE_OUTPUT=fuse_output, DOT_PREC=dot_prec,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
+        USE_STATE_INDICES=state_indices is not None, FUSE_OUTPUT=fuse_output, DOT_PRECISION=dot_prec,
         num_warps=STATE["num_warps"], num_stages=STATE["num_stages"],
     )  # fmt: skip
     if NT and not fuse_output:
         BVo = _fit(OUTPUT["BV"], V)
         kda_chunk_output_kernel[(cdiv(V, BVo), NT, H)](
             qg, h, Aqk, rnorm, v_new, o, cu, chunk_indices,
-            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=OUTPUT["num_warps"],
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PRECISION=dot_prec, num_warps=OUTPUT["num_warps"],
             num_stages=OUTPUT["num_stages"],
         )  # fmt: skip
     return o, final_state

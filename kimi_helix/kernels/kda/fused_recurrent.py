@@ -20,6 +20,7 @@ from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_inde
 from kimi_helix.kernels.device import triton_devices
 from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.sequences import sequence_span
 
 __all__ = ["CAPS", "fused_recurrent_kda_triton"]
 
@@ -90,13 +91,7 @@ def fused_recurrent_kda_fwd_kernel(
     i_nh = pid // NV
     i_n = (i_nh // H).to(tl.int64)
     i_h = i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n * T
-        eos = bos + T
-    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)

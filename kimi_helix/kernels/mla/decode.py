@@ -26,7 +26,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
-from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
+from kimi_helix.kernels.mla.decode_schedule import (
+    D_SPLITS,
+    MIN_WAVES,
+    SCHEDULES,
+    Schedule,
+    choose_num_kv_splits,
+    choose_tiles,
+)
 
 try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or newer Tritons may lack them
     from kimi_helix.kernels.mla import decode_wgmma
@@ -525,7 +532,7 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
-    cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
+    cfg, sched = choose_tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
     max_kv = block_table.shape[1] * page_size
     tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])
     use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(*tile)
@@ -533,7 +540,7 @@ def mla_decode_triton(
     kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma and not use_wgmma else (None, None)
     num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
-    splits = num_kv_splits or _num_kv_splits(
+    splits = num_kv_splits or choose_num_kv_splits(
         slots * num_head_blocks, max_kv, cfg["BLOCK_N"], num_sms(q.device.index),
         sched.min_waves, sched.min_split_tiles,
     )  # fmt: skip

@@ -61,7 +61,7 @@ SCHEDULES = {
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
 
 
-def _num_kv_splits(
+def choose_num_kv_splits(
     work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None, min_split_tiles: int = 4
 ) -> int:
     """Splits per sequence so that `work` programs x splits fill the SMs.
@@ -81,7 +81,7 @@ def _num_kv_splits(
     return next(s for s, e in eff.items() if e >= 0.85 * best)
 
 
-def _tiles(
+def choose_tiles(
     num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int, kv_lora_rank: int
 ):
     """(Kernel launch parameters, the tile class's Schedule) from shapes alone (no device reads).

@@ -176,9 +176,9 @@ def test_latent_column_groups(nan_empty, monkeypatch, tma_calls, fwd_launches, d
 def test_d_split_fits_the_latent(nan_empty, fwd_launches, kv_lora, d_split):
     # The committed 16-row bf16 schedule asks for 4 groups; a narrower latent takes the most groups of >= 16 columns.
     assert decode.SCHEDULES[(2, 16)].d_split == 4
-    cfg, _ = decode._tiles(16, 1, 1, torch.float16, 2, kv_lora)
+    cfg, _ = decode.choose_tiles(16, 1, 1, torch.float16, 2, kv_lora)
     assert cfg["DSPLIT"] == d_split
-    assert decode._tiles(16, 1, 1, torch.float32, 2, kv_lora)[0]["DSPLIT"] == 1  # the fp32 path keeps one group
+    assert decode.choose_tiles(16, 1, 1, torch.float32, 2, kv_lora)[0]["DSPLIT"] == 1  # the fp32 path keeps one group
     if kv_lora == 512:
         return  # too wide for the interpreter
     args, _ = make_case([40, 9], [1, 1], H=16, kv_lora=kv_lora, dtype=torch.float16, seed=kv_lora)
@@ -226,17 +226,17 @@ def test_split_kv_matches_unsplit(nan_empty):
 
 def test_num_kv_splits_heuristic():
     # one program per SM: FlashAttention's wave rule
-    assert decode._num_kv_splits(256, 8192, 64, 132, min_waves=1) == 1  # more programs than SMs: no split
-    assert decode._num_kv_splits(32, 8192, 64, 132, min_waves=1) == 4  # 128 programs: one near-full wave
+    assert decode.choose_num_kv_splits(256, 8192, 64, 132, min_waves=1) == 1  # more programs than SMs: no split
+    assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=1) == 4  # 128 programs: one near-full wave
     # the default aims at several programs per SM, so unequal lengths balance out
     assert decode.MIN_WAVES > 1
-    assert decode._num_kv_splits(600, 8192, 64, 132) == 1
-    assert 128 * decode._num_kv_splits(128, 8192, 64, 132) >= decode.MIN_WAVES * 132
-    assert decode._num_kv_splits(1, 128, 64, 132) == 1  # too short to split
+    assert decode.choose_num_kv_splits(600, 8192, 64, 132) == 1
+    assert 128 * decode.choose_num_kv_splits(128, 8192, 64, 132) >= decode.MIN_WAVES * 132
+    assert decode.choose_num_kv_splits(1, 128, 64, 132) == 1  # too short to split
     # a split keeps at least min_split_tiles tiles: 8192 keys, 64-key tiles
-    assert decode._num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=4) == 32
-    assert decode._num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=8) == 16
-    assert 32 <= decode._num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
+    assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=4) == 32
+    assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=8) == 16
+    assert 32 <= decode.choose_num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
 
 
 def test_rejects_unsupported_inputs():
