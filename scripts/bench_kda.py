@@ -41,7 +41,7 @@ from bench_common import JsonlWriter, bench_ms, copy_tbps, run_metadata  # noqa:
 
 from kimi_helix.kernels.kda import chunk as kda_chunk  # noqa: E402
 from kimi_helix.kernels.kda import fused_recurrent as fr  # noqa: E402
-from kimi_helix.kernels.kda.chunk import chunk_kda  # noqa: E402
+from kimi_helix.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
 from kimi_helix.kernels.kda.naive import kda_gate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,8 +99,8 @@ def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdo
     q, k, v, f, beta, A_log, dt_bias, g = (x[n] for n in ("q", "k", "v", "f", "beta", "A_log", "dt_bias", "g"))
     common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     backends = {
-        "triton": lambda: chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, **common),
-        "triton_gate": lambda: chunk_kda(
+        "triton": lambda: chunk_kda_triton(q, k, v, g, beta, chunk_size=chunk_size, **common),
+        "triton_gate": lambda: chunk_kda_triton(
             q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, chunk_size=chunk_size, **common
         ),
     }
@@ -147,7 +147,7 @@ def decode_case(n: int, h: int, d: int, t: int, dtype, device) -> dict:
     slots = torch.randperm(2 * n, generator=gen, device=device)[:n]
 
     def step():
-        fr.fused_recurrent_kda(
+        fr.fused_recurrent_kda_triton(
             q, k, v, f, beta, initial_state=pool, state_indices=slots, output_final_state=True,
             use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
         )  # fmt: skip

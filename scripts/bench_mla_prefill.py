@@ -127,7 +127,7 @@ def run_case(name, pairs, heads, dqk, dv, dtype_name, device, reps, check, confi
     if configs is not None:
         yield from map(measure, configs)
         return
-    rec = measure(prefill._config(dtype, dqk, dv))
+    rec = measure(prefill.tile_config(dtype, dqk, dv))
     # The public call adds validation (one device sync) and the Python around the launch.
     rec["ms"] = round(time_ms(lambda: prefill.mla_prefill_triton(q, k, v, cu_q, cu_k, scale), device, reps), 4)
     if device == "cuda" and len(pairs) == 1 and pairs[0][0] == pairs[0][1]:

@@ -61,11 +61,13 @@ def workload(target: str) -> None:
     if target == "kda":
         from bench_kda import prefill_inputs
 
-        from kimi_helix.kernels.kda.chunk import chunk_kda
+        from kimi_helix.kernels.kda.chunk import chunk_kda_triton
 
         x = prefill_inputs(8192, 64, 128, torch.bfloat16, dev)
         for _ in range(3):
-            chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+            chunk_kda_triton(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
     else:
         from bench_mla import KV_LORA, ROPE, Cache
 

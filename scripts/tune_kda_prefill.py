@@ -26,6 +26,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Sweeps are history, not current results: docs/benchmarks.md reads benchmarks/results/*.jsonl only.
+HISTORY = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "history"
 from bench_common import JsonlWriter, bench_ms, precompile, run_metadata  # noqa: E402
 from bench_kda import prefill_inputs  # noqa: E402
 
@@ -79,9 +81,9 @@ def make_call(T: int, H: int, D: int, lower_bound: float | None, dtype, device):
     x = prefill_inputs(T, H, D, dtype, device)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     if lower_bound is None:
-        return lambda: chunk.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        return lambda: chunk.chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
     gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=lower_bound)
-    return lambda: chunk.chunk_kda(x["q"], x["k"], x["v"], x["f"], x["beta"], **gate, **kw)
+    return lambda: chunk.chunk_kda_triton(x["q"], x["k"], x["v"], x["f"], x["beta"], **gate, **kw)
 
 
 def _compile(job) -> None:
@@ -95,7 +97,9 @@ def _compile(job) -> None:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None, help="directory for tune_kda_prefill.jsonl (none: no file)")
+    ap.add_argument(
+        "--out", default=HISTORY, help="directory for tune_kda_prefill.jsonl (default: benchmarks/results/history)"
+    )
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--H", type=int, default=64)
     ap.add_argument("--lower-bound", type=float, default=None, help="time the in-kernel bounded gate, not a given g")
@@ -123,7 +127,7 @@ def main(argv=None) -> list[dict]:
     defaults = {t: getattr(chunk, t) for t in cands}
     call = make_call(*shape, dtype, device)
     best = {}
-    path = None if args.out is None else Path(args.out) / "tune_kda_prefill.jsonl"
+    path = Path(args.out) / "tune_kda_prefill.jsonl"
     with JsonlWriter(path) as results:
         for table in args.tables:
             timed = []

@@ -28,6 +28,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Sweeps are history, not current results: docs/benchmarks.md reads benchmarks/results/*.jsonl only.
+HISTORY = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "history"
 from bench_common import JsonlWriter, precompile, run_metadata  # noqa: E402
 from bench_mla import KV_DTYPES, KV_LORA, ROPE, Cache  # noqa: E402
 
@@ -81,7 +83,7 @@ def _committed(key) -> decode.Schedule:
 
 def tile_key(case) -> tuple[int, int]:
     b, h, s_q, _, kv = case
-    cfg, _ = decode._tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2, KV_LORA)
+    cfg, _ = decode.choose_tiles(h, b * s_q, b, torch.bfloat16, 1 if kv == "fp8" else 2, KV_LORA)
     return (1 if kv == "fp8" else 2, cfg["BLOCK_Q"] * cfg["BLOCK_H"])
 
 
@@ -130,7 +132,9 @@ def time_ms(fn, device, smoke: bool) -> float:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default=None, help="directory for tune_mla_decode.jsonl (none: no file)")
+    ap.add_argument(
+        "--out", default=HISTORY, help="directory for tune_mla_decode.jsonl (default: benchmarks/results/history)"
+    )
     ap.add_argument("--cases", nargs="+", type=parse_case, help="only these cases, each as b,h,s_q,s_k,kv")
     ap.add_argument("--tma", action="store_true", help="sweep schedules whose whole tiles are copied by TMA")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
@@ -145,7 +149,7 @@ def main(argv=None) -> list[dict]:
 
     meta = run_metadata()
     best = {}
-    path = None if args.out is None else Path(args.out) / "tune_mla_decode.jsonl"
+    path = Path(args.out) / "tune_mla_decode.jsonl"
     with JsonlWriter(path) as results:
         for case in cases:
             b, h, s_q, s_k, kv = case

@@ -101,8 +101,8 @@ class PagedCache:
         self.scales: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
-        for i, kind in enumerate(config.layer_types):
-            if kind == "full_attention":
+        for i in range(config.num_hidden_layers):
+            if config.is_mla_layer(i):
                 self.pages[i] = torch.zeros(n, ps, d, dtype=FP8 if self.fp8 else dtype, device=device)
                 if self.fp8:
                     self.scales[i] = torch.ones(n, ps, dtype=torch.float32, device=device)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..kernels.backends import build_registry
+from ..kernels.backends import BackendChoice
 from ..kernels.launch import cdiv
 from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
@@ -68,8 +68,11 @@ class LLM:
         max_model_len: prompt + generated tokens per request at most (default: the config's, capped at 8192).
         kv_cache_dtype: "auto" (model dtype) or "fp8_e4m3" (per-token scaled e4m3 latents).
         gpu_memory_utilization: share of free GPU memory the cache may take (CUDA only).
-        attention_backend: None (automatic: the first backend whose declared capabilities serve each call), or
-            "torch", "triton", "sdpa" to force one (a forced backend that cannot serve a call raises).
+        attention_backend: None (automatic: the first backend whose declared capabilities serve each call, unless
+            $KIMI_HELIX_ATTENTION_BACKEND names one), or "torch", "triton", "sdpa" to force MLA attention to one (a
+            forced backend that cannot serve a call raises).
+        kernel_backend: the same for KDA, the short conv, the gated norm and the MoE experts ("torch", "triton";
+            $KIMI_HELIX_KERNEL_BACKEND). The choice is set on the model, so its own `generate` follows it too.
         num_pages: cache pages; default sized from free GPU memory, or for 8 full-length sequences on CPU.
         max_num_batched_tokens: token budget per step (chunked prefill); default 2048.
         speculative_config: None, or vLLM's spelling: `{"method": "dspark" | "ngram", "model": DRAFT_DIR,
@@ -90,17 +93,14 @@ class LLM:
         kv_cache_dtype: str = "auto",
         gpu_memory_utilization: float = 0.9,
         attention_backend: str | None = None,
+        kernel_backend: str | None = None,
         num_pages: int | None = None,
         max_num_batched_tokens: int = 2048,
         tokenizer=None,
         speculative_config: dict | None = None,
         proposer=None,
     ):
-        if attention_backend is not None and attention_backend not in build_registry():
-            raise ValueError(
-                f"attention_backend must be None (automatic) or one of {sorted(build_registry())}, "
-                f"got {attention_backend!r}"
-            )
+        backends = BackendChoice.from_env(attention=attention_backend, kernels=kernel_backend)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         for name, value in (
@@ -116,7 +116,7 @@ class LLM:
             from ..speculative.engine import check_speculative_config
 
             spec = check_speculative_config(
-                speculative_config, model, proposer, dtype, device, kv_cache_dtype, attention_backend
+                speculative_config, model, proposer, dtype, device, kv_cache_dtype, backends.attention
             )
         if isinstance(model, (str, Path)):
             path = Path(model)
@@ -128,7 +128,8 @@ class LLM:
         self.model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
         self.model.eval()
         self.tokenizer = tokenizer
-        self.attention_backend = attention_backend
+        self.backends = backends
+        self.model.model.set_backends(backends)
         self.device = device
         config = self.model.config
         self.max_model_len = max_model_len or min(config.model_max_length, 8192)
@@ -144,7 +145,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_tokens=max_num_batched_tokens,
             max_pages_per_seq=cdiv(self.max_model_len, page_size),
-            attention_backend=attention_backend,
+            attention_backend=backends.attention,
         )
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
@@ -161,15 +162,12 @@ class LLM:
         wanted = per_seq * max_num_seqs if self.device.type == "cuda" else per_seq * min(max_num_seqs, 8)
         if self.device.type != "cuda":
             return wanted
-        from ..modeling.accounting import kda_state_bytes_per_sequence, mla_cache_bytes_per_token
+        from .planner import cache_bytes_per_token, kda_state_bytes_per_rank
 
         config, itemsize = self.model.config, self.model.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
-        # fp8 pages store one byte per value plus a per-token fp32 scale per MLA layer.
-        token_bytes = mla_cache_bytes_per_token(config, 1 if kv_cache_dtype == "fp8_e4m3" else itemsize)
-        if kv_cache_dtype == "fp8_e4m3":
-            token_bytes += 4 * config.layer_types.count("full_attention")
-        state_bytes = kda_state_bytes_per_sequence(config, itemsize) * max_num_seqs
+        token_bytes = cache_bytes_per_token(config, itemsize, kv_cache_dtype)
+        state_bytes = kda_state_bytes_per_rank(config, 1, itemsize) * max_num_seqs
         budget = int(free * utilization) - state_bytes
         fits = budget // max(1, token_bytes * page_size)
         if fits < per_seq:

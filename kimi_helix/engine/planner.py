@@ -208,16 +208,12 @@ def plan_memory(
             f"max_num_seqs={max_num_seqs}) leave nothing for the cache"
         )
 
-    if kv_cache_dtype == "fp8_e4m3":
-        n_mla = config.num_hidden_layers - n_kda_layers(config)
-        token_bytes = mla_cache_bytes_per_token(config, 1) + n_mla * FP8_SCALE_BYTES
-    else:
-        token_bytes = mla_cache_bytes_per_token(config, dtype_bytes)
+    token_bytes = cache_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
     page_bytes = page_size * token_bytes
     # Pages 0, cp, 2cp, ... of a sequence land on rank 0, so rank 0 holds ceil(pages / cp) of them.
     seq_pages_rank0 = cdiv(cdiv(max_model_len, page_size), cp)
     seq_cache = seq_pages_rank0 * page_bytes
-    state = _kda_state_bytes_per_rank(config, world, dtype_bytes)
+    state = kda_state_bytes_per_rank(config, world, dtype_bytes)
 
     left = max(0, free - max_num_seqs * state)
     if page_bytes:
@@ -254,7 +250,16 @@ def plan_memory(
     )
 
 
-def _kda_state_bytes_per_rank(config: KimiK3Config, world: int, conv_dtype_bytes: int) -> int:
+def cache_bytes_per_token(config: KimiK3Config, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """MLA cache bytes one token adds, all layers: values of `dtype_bytes` ("auto"), or for "fp8_e4m3" one byte a
+    value plus a per-token fp32 scale per MLA layer. The planner and `LLM` both size pages with it."""
+    if kv_cache_dtype == "fp8_e4m3":
+        n_mla = config.num_hidden_layers - n_kda_layers(config)
+        return mla_cache_bytes_per_token(config, 1) + n_mla * FP8_SCALE_BYTES
+    return mla_cache_bytes_per_token(config, dtype_bytes)
+
+
+def kda_state_bytes_per_rank(config: KimiK3Config, world: int, conv_dtype_bytes: int) -> int:
     """`kda_state_bytes_per_sequence` with H / world heads: fp32 recurrent [H/world, K, K] + conv 3 x [H/world * K,
     W - 1] per KDA layer."""
     h, k, w = config.kda_num_heads // world, config.kda_head_dim, config.conv_kernel_size

@@ -1,10 +1,13 @@
-"""The attention backend switch: backends declare what their kernels can do, as data, and selection reads it.
+"""The backend switch: kernels declare what they can do, as data, and one selection function reads it.
 
-A request describes one MLA attention call (phase, heads, dims, dtypes, device, whether LSE or per-token KV
-bounds are needed). Each backend declares `KernelCaps` per phase. Selection checks the request against the
-declared capabilities only (never a proxy such as "is this a context batch"); a forced backend that cannot serve
-raises with its reasons, and when no backend can, the error lists every backend's reasons. The capabilities are
-kept honest by `tests/kernels/test_backends.py`, which runs the chosen kernel on every case of the truth table.
+A request describes one call: `AttentionRequest` an MLA attention call (phase, heads, dims, dtypes, device, whether
+LSE or per-token KV bounds are needed), `OpRequest` a call of another op (KDA, short conv, gated norm, MoE). Each
+kernel module declares its capabilities once (`CAPS` in `mla/decode.py`, `kda/chunk.py`, ...); `registry()` collects
+them per backend, and `select` checks the request against them only (never a proxy such as "is this a context
+batch"). A forced backend that cannot serve raises with its reasons; when no backend can, the error lists every
+backend's reasons. The environment is read once, when a model or `LLM` is built (`BackendChoice.from_env`), and the
+choice is passed to the ops explicitly. `tests/kernels/test_backends.py` keeps the declarations honest: it runs the
+chosen kernel on every case of the attention and op truth tables.
 """
 
 from __future__ import annotations
@@ -12,21 +15,27 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("prefill", "decode", "verify")
-ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
+# The ops of the switch; the same names are the dispatching functions (`kernels.kda.chunk_kda`, ...).
+OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "fused_experts")
+ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
+KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
+FLOATS = frozenset({"fp32", "fp16", "bf16"})
+ANY_DEVICE = frozenset({"cpu", "cuda"})
+# Automatic choice: fastest first on the GPU; on the CPU the reference first (Triton there is the interpreter).
+PRIORITY = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch", "sdpa", "triton")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {dtype}; attention takes {sorted(DTYPE_NAMES.values())}")
+        raise ValueError(f"unsupported dtype {dtype}; the kernels take {sorted(DTYPE_NAMES.values())}")
     return DTYPE_NAMES[dtype]
 
 
@@ -52,6 +61,24 @@ class AttentionRequest:
         if self.phase not in PHASES:
             raise ValueError(f"AttentionRequest.phase must be one of {PHASES}, got {self.phase!r}")
 
+    @property
+    def op(self) -> str:
+        return f"mla_{self.phase}"
+
+
+@dataclass(frozen=True)
+class OpRequest:
+    """One call of a non-attention op. `head_dim` is the KDA head width (K = V); 0 where it does not apply."""
+
+    op: str
+    dtype: str
+    device: str
+    head_dim: int = 0
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"OpRequest.op must be one of {OPS}, got {self.op!r}")
+
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -66,27 +93,22 @@ def split_into_two_pow2(d: int, minimum: int = 16) -> bool:
 
 @dataclass(frozen=True)
 class KernelCaps:
-    """What one backend's kernel for one phase can do."""
+    """What one MLA attention kernel can do."""
 
     devices: frozenset[str]
     q_dtypes: frozenset[str]
     kv_dtypes: frozenset[str]
-    min_heads: int = 1
-    max_heads: int | None = None
     # "any"; "pow2_pair": head_dim and v_head_dim each a power of two or a sum of two (>= 16); "mla_latent": the
     # latent's value part (v_head_dim = kv_lora_rank) a power of two in [16, 512] and its rope part 0 or a power of
     # two in [16, 128] (the Triton decode kernel tiles the two parts separately).
     dim_rule: str = "any"
     returns_lse: bool = True
     kv_bounds: bool = True
-    paged: bool = True
 
     def reasons(self, r: AttentionRequest) -> list[str]:
         out = []
         if r.device not in self.devices:
             out.append(f"device {r.device!r} not in {sorted(self.devices)}")
-        if r.num_heads < self.min_heads or (self.max_heads is not None and r.num_heads > self.max_heads):
-            out.append(f"num_heads={r.num_heads} outside [{self.min_heads}, {self.max_heads or 'any'}]")
         if self.dim_rule == "mla_latent":
             rope = r.head_dim - r.v_head_dim
             if not (_pow2(r.v_head_dim) and 16 <= r.v_head_dim <= 512):
@@ -109,100 +131,9 @@ class KernelCaps:
 
 
 @dataclass(frozen=True)
-class Backend:
-    name: str
-    kernels: Mapping[str, KernelCaps] = field(default_factory=dict)
-
-    def reasons(self, r: AttentionRequest) -> list[str]:
-        caps = self.kernels.get(r.phase)
-        return [f"no {r.phase} kernel"] if caps is None else caps.reasons(r)
-
-
-class BackendUnavailableError(ValueError):
-    """No backend (or not the forced one) can serve an attention request."""
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def build_registry() -> dict[str, Backend]:
-    """The backends and their declared capabilities (Triton runs on the CPU only under its interpreter)."""
-    floats = frozenset({"fp32", "fp16", "bf16"})
-    both = frozenset({"cpu", "cuda"})
-    triton_devices = frozenset({"cuda", "cpu"} if _interpreting() else {"cuda"})
-    paged = KernelCaps(devices=both, q_dtypes=floats, kv_dtypes=floats | {"fp8_e4m3"})
-    dense = KernelCaps(devices=both, q_dtypes=floats, kv_dtypes=floats, kv_bounds=False, paged=False)
-    return {
-        "torch": Backend("torch", {"decode": paged, "verify": paged, "prefill": dense}),
-        "triton": Backend(
-            "triton",
-            {
-                "decode": KernelCaps(triton_devices, floats, floats | {"fp8_e4m3"}, dim_rule="mla_latent"),
-                "verify": KernelCaps(triton_devices, floats, floats | {"fp8_e4m3"}, dim_rule="mla_latent"),
-                "prefill": KernelCaps(
-                    triton_devices, floats, floats, dim_rule="pow2_pair", kv_bounds=False, paged=False
-                ),
-            },
-        ),
-        "sdpa": Backend(
-            "sdpa",
-            {"prefill": KernelCaps(both, floats, floats, returns_lse=False, kv_bounds=False, paged=False)},
-        ),
-    }
-
-
-# Automatic choice: fastest first on the GPU; on the CPU the reference first (Triton there is the interpreter).
-PRIORITY = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch", "sdpa", "triton")}
-
-
-@functools.cache
-def select_backend(request: AttentionRequest, forced: str | None = None) -> Backend:
-    """The backend that serves `request`: `forced` (or $KIMI_HELIX_ATTENTION_BACKEND) if given, else the first in
-    `PRIORITY` whose declared capabilities cover it. Raises `BackendUnavailableError` with the reasons."""
-    registry = build_registry()
-    forced = forced or os.environ.get(ENV_VAR) or None
-    if forced is not None:
-        if forced not in registry:
-            raise ValueError(f"attention backend must be one of {sorted(registry)}, got {forced!r}")
-        reasons = registry[forced].reasons(request)
-        if reasons:
-            raise BackendUnavailableError(f"attention backend {forced!r} cannot serve {request}: {'; '.join(reasons)}")
-        chosen = registry[forced]
-    else:
-        order = PRIORITY.get(request.device, tuple(registry))
-        verdicts = {name: registry[name].reasons(request) for name in order}
-        serving = [name for name in order if not verdicts[name]]
-        if not serving:
-            detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in verdicts.items())
-            raise BackendUnavailableError(f"no attention backend can serve {request} ({detail})")
-        chosen = registry[serving[0]]
-    logger.info("attention backend %s for %s", chosen.name, request)  # once per distinct case (cached)
-    return chosen
-
-
-# ---------------------------------------------------------------- the other ops: KDA, short conv, norm, MoE
-
-OPS = ("kda_chunk", "kda_recurrent", "conv", "conv_update", "gated_norm", "moe_experts")
-OP_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
-
-
-@dataclass(frozen=True)
-class OpRequest:
-    """One call of a non-attention op. `head_dim` is the KDA head width (K = V); 0 where it does not apply."""
-
-    op: str
-    dtype: str
-    device: str
-    head_dim: int = 0
-
-    def __post_init__(self):
-        if self.op not in OPS:
-            raise ValueError(f"OpRequest.op must be one of {OPS}, got {self.op!r}")
-
-
-@dataclass(frozen=True)
 class OpCaps:
+    """What one kernel of a non-attention op can do."""
+
     devices: frozenset[str]
     dtypes: frozenset[str]
     # Triton's KDA kernels keep a [K, V] state tile in registers: K must be a power of two within bounds.
@@ -221,52 +152,106 @@ class OpCaps:
         return out
 
 
-def build_op_registry() -> dict[str, dict[str, OpCaps]]:
-    """Per backend, the ops it implements and what each can do."""
-    floats = frozenset({"fp32", "fp16", "bf16"})
-    both = frozenset({"cpu", "cuda"})
-    triton_devices = frozenset({"cuda", "cpu"} if _interpreting() else {"cuda"})
-    kda = OpCaps(triton_devices, floats, head_dims=(16, 256))
-    plain = OpCaps(triton_devices, floats)
-    return {
-        "torch": {op: OpCaps(both, floats) for op in OPS},
-        "triton": {
-            "kda_chunk": kda,
-            "kda_recurrent": kda,
-            "conv": plain,
-            "conv_update": plain,
-            "gated_norm": plain,
-            "moe_experts": plain,
-        },
-    }
+class BackendUnavailableError(ValueError):
+    """No backend (or not the forced one) can serve a request."""
+
+
+# The torch references serve every op on every device, in every float dtype (paged decode also from fp8 pages).
+REFERENCE_OP_CAPS = OpCaps(ANY_DEVICE, FLOATS)
+REFERENCE_DECODE_CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS | {"fp8_e4m3"})
+REFERENCE_PREFILL_CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS, kv_bounds=False)
 
 
 @functools.cache
-def select_op_backend(request: OpRequest, forced: str | None = None) -> str:
-    """Name of the backend for `request`: `forced` (or $KIMI_HELIX_KERNEL_BACKEND), else the first in `PRIORITY`
-    that declares it can serve the request. Raises `BackendUnavailableError` with every reason."""
-    registry = build_op_registry()
-    forced = forced or os.environ.get(OP_ENV_VAR) or None
+def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
+    """Per backend, the ops it implements (`mla_prefill`, `mla_decode`, `mla_verify` and `OPS`) and the
+    capabilities their kernel modules declare. The Triton modules are imported here, on first use."""
+    from .conv import triton as conv_triton
+    from .kda import chunk, fused_recurrent
+    from .mla import decode, prefill, sdpa
+    from .moe import triton as moe_triton
+    from .norm import triton as norm_triton
+
+    triton_ops = {
+        "mla_prefill": prefill.CAPS,
+        "mla_decode": decode.CAPS,
+        "mla_verify": decode.CAPS,
+        "chunk_kda": chunk.CAPS,
+        "fused_recurrent_kda": fused_recurrent.CAPS,
+        "causal_conv1d": conv_triton.CAPS,
+        "causal_conv1d_update": conv_triton.CAPS,
+        "gated_rms_norm": norm_triton.CAPS,
+        "fused_experts": moe_triton.CAPS,
+    }
+    torch_ops = {"mla_prefill": REFERENCE_PREFILL_CAPS, "mla_decode": REFERENCE_DECODE_CAPS}
+    torch_ops |= {"mla_verify": REFERENCE_DECODE_CAPS} | {op: REFERENCE_OP_CAPS for op in OPS}
+    return {"torch": torch_ops, "triton": triton_ops, "sdpa": {"mla_prefill": sdpa.CAPS}}
+
+
+def backend_names(kind: str) -> list[str]:
+    """The backends that implement some op of `kind`: "attention" (MLA) or "kernels" (KDA, conv, norm, MoE)."""
+    ops = [f"mla_{p}" for p in PHASES] if kind == "attention" else OPS
+    return sorted(name for name, table in registry().items() if any(op in table for op in ops))
+
+
+def reasons(backend: str, request: AttentionRequest | OpRequest) -> list[str]:
+    """Why `backend` cannot serve `request` (empty: it can)."""
+    caps = registry()[backend].get(request.op)
+    return [f"no {request.op} kernel"] if caps is None else caps.reasons(request)
+
+
+@functools.cache
+def select(request: AttentionRequest | OpRequest, forced: str | None = None) -> str:
+    """Name of the backend that serves `request`: `forced` if given, else the first in `PRIORITY` (for an unknown
+    device, every backend) whose declared capabilities cover it. Raises `BackendUnavailableError` with the reasons.
+
+    Cached on the (hashable) request, so each distinct case is checked and logged once.
+    """
+    kind = "attention" if isinstance(request, AttentionRequest) else "kernel"
     if forced is not None:
-        if forced not in registry:
-            raise ValueError(f"kernel backend must be one of {sorted(registry)}, got {forced!r}")
-        caps = registry[forced].get(request.op)
-        reasons = [f"no {request.op} kernel"] if caps is None else caps.reasons(request)
-        if reasons:
-            raise BackendUnavailableError(f"kernel backend {forced!r} cannot serve {request}: {'; '.join(reasons)}")
-        logger.info("kernel backend %s for %s (forced)", forced, request)
-        return forced
-    verdicts = {}
-    for name in PRIORITY.get(request.device, tuple(registry)):
-        caps = registry[name].get(request.op)
-        verdicts[name] = [f"no {request.op} kernel"] if caps is None else caps.reasons(request)
-        if not verdicts[name]:
-            logger.info("kernel backend %s for %s", name, request)
-            return name
-    detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in verdicts.items())
-    raise BackendUnavailableError(f"no kernel backend can serve {request} ({detail})")
+        if forced not in registry():
+            raise ValueError(f"{kind} backend must be one of {sorted(registry())}, got {forced!r}")
+        why = reasons(forced, request)
+        if why:
+            raise BackendUnavailableError(f"{kind} backend {forced!r} cannot serve {request}: {'; '.join(why)}")
+        chosen = forced
+    else:
+        verdicts = {name: reasons(name, request) for name in PRIORITY.get(request.device, tuple(registry()))}
+        serving = [name for name, why in verdicts.items() if not why]
+        if not serving:
+            detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in verdicts.items())
+            raise BackendUnavailableError(f"no {kind} backend can serve {request} ({detail})")
+        chosen = serving[0]
+    logger.info("%s backend %s for %s%s", kind, chosen, request, " (forced)" if forced else "")
+    return chosen
 
 
 def op_backend(op: str, x: torch.Tensor, head_dim: int = 0, forced: str | None = None) -> str:
-    """`select_op_backend` for a call whose main input is `x`."""
-    return select_op_backend(OpRequest(op, dtype_name(x.dtype), x.device.type, head_dim), forced)
+    """`select` for a call of `op` whose main input is `x`."""
+    return select(OpRequest(op, dtype_name(x.dtype), x.device.type, head_dim), forced)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backends one model is forced to, read once when the model or `LLM` is built and passed to its ops.
+
+    `attention` forces MLA attention ("torch", "triton", "sdpa"); `kernels` forces KDA, the short conv, the gated
+    norm and the MoE experts ("torch", "triton"). None: automatic, per call, from the declared capabilities.
+    """
+
+    attention: str | None = None
+    kernels: str | None = None
+
+    def __post_init__(self):
+        for kind, name in (("attention", self.attention), ("kernels", self.kernels)):
+            if name is not None and name not in backend_names(kind):
+                allowed = backend_names(kind)
+                raise ValueError(f"{kind} backend must be None (automatic) or one of {allowed}, got {name!r}")
+
+    @classmethod
+    def from_env(cls, attention: str | None = None, kernels: str | None = None) -> BackendChoice:
+        """The given names, else $KIMI_HELIX_ATTENTION_BACKEND / $KIMI_HELIX_KERNEL_BACKEND, else automatic."""
+        return cls(
+            attention=attention or os.environ.get(ATTENTION_ENV_VAR) or None,
+            kernels=kernels or os.environ.get(KERNEL_ENV_VAR) or None,
+        )

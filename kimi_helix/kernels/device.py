@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton runs under its CPU interpreter (`TRITON_INTERPRET=1`). Triton reads the variable when a
+    kernel module is imported, so it cannot usefully change later in a process."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_devices() -> frozenset[str]:
+    """The devices a Triton kernel can run on: CUDA, plus the CPU under the interpreter."""
+    return frozenset({"cuda", "cpu"} if interpreting() else {"cuda"})
 
 
 @functools.cache

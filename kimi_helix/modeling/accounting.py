@@ -55,7 +55,7 @@ def kda_state_bytes_per_sequence(config: KimiK3Config, conv_dtype_bytes: int = 2
 
 def n_kda_layers(config: KimiK3Config) -> int:
     """Number of KDA layers; the other `num_hidden_layers - n_kda_layers` are MLA."""
-    return sum(config.is_kda_layer(i) for i in range(config.num_hidden_layers))
+    return sum(not config.is_mla_layer(i) for i in range(config.num_hidden_layers))
 
 
 def layer_pattern(config: KimiK3Config) -> str:
@@ -64,7 +64,7 @@ def layer_pattern(config: KimiK3Config) -> str:
     attn KKKM KKKM KKKM KKKM KKKM KKKM KKM  (K = KDA, M = MLA)
     mlp  DEEE EEEE EEEE EEEE EEEE EEEE EEE  (D = dense, E = MoE)
     """
-    attn = ["K" if config.is_kda_layer(i) else "M" for i in range(config.num_hidden_layers)]
+    attn = ["M" if config.is_mla_layer(i) else "K" for i in range(config.num_hidden_layers)]
     mlp = ["E" if config.is_moe_layer(i) else "D" for i in range(config.num_hidden_layers)]
 
     breaks = {i for i, a in enumerate(attn[:-1]) if a == "M"}

@@ -39,7 +39,7 @@ class KimiK3Cache:
 
     @property
     def is_linear(self) -> list[bool]:
-        return [t == "linear_attention" for t in self.config.layer_types]
+        return [not self.config.is_mla_layer(i) for i in range(self.config.num_hidden_layers)]
 
     @property
     def latents(self) -> dict[int, list[torch.Tensor]]:

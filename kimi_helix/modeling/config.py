@@ -287,8 +287,9 @@ class KimiK3Config(PretrainedConfig):
     def is_moe_layer(self, idx: int) -> bool:
         return self.num_experts > 0 and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
 
-    def is_kda_layer(self, idx: int) -> bool:
-        return self.layer_types[idx] == LINEAR_ATTENTION
+    def is_mla_layer(self, idx: int) -> bool:
+        """Whether 0-based layer `idx` is MLA (full attention); every other layer is KDA (linear attention)."""
+        return self.layer_types[idx] == FULL_ATTENTION
 
     @property
     def kda_num_heads(self) -> int:

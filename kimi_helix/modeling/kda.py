@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.backends import BackendChoice
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
-from ..kernels.kda import kda_chunk, kda_gate, kda_recurrent
+from ..kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate
 from .batch import ForwardBatch, Phase, PhaseRun
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
@@ -49,6 +50,7 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(k, p, bias=False)
         self.o_norm = GatedRMSNorm(k, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(p, d, bias=False)
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def conv_weight(self) -> torch.Tensor:
         """[3P, W]: q, k and v conv weights stacked, so one conv (and one conv state) serves all three."""
@@ -85,11 +87,15 @@ class KimiDeltaAttention(nn.Module):
         record = Phase.VERIFY in run.batch.phases and hasattr(cache, "record_verify")
         conv_before, inputs = (conv_state[slots].clone(), qkv) if record else (None, None)
         if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
-            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight(), state_indices=slots)
+            qkv = causal_conv1d_update(
+                qkv, conv_state, self.conv_weight(), state_indices=slots, backend=self.backends.kernels
+            )
         else:
-            qkv = causal_conv1d(qkv[None], self.conv_weight(), conv_state, True, cu, state_indices=slots)[0][0]
+            qkv = causal_conv1d(
+                qkv[None], self.conv_weight(), conv_state, True, cu, state_indices=slots, backend=self.backends.kernels
+            )[0][0]
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
-        core = kda_recurrent if run.decode_path else kda_chunk
+        core = fused_recurrent_kda if run.decode_path else chunk_kda
         o, states = core(
             q,
             k_,
@@ -101,6 +107,7 @@ class KimiDeltaAttention(nn.Module):
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,
             state_indices=slots,
+            backend=self.backends.kernels,
             **({"return_intermediate_states": True} if record else {}),
         )
         if record:

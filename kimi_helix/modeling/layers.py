@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.backends import BackendChoice
 from ..kernels.norm import gated_rms_norm
 
 
@@ -34,9 +35,10 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backends.kernels)
 
 
 class SwiGLU(nn.Module):

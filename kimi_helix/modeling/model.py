@@ -15,9 +15,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from ..kernels.backends import BackendChoice
 from .batch import ForwardBatch
 from .cache import KimiK3Cache
-from .config import FULL_ATTENTION, KimiK3Config
+from .config import KimiK3Config
 from .kda import KimiDeltaAttention
 from .layers import GatedRMSNorm, RMSNorm, SwiGLU
 from .mla import MLAttention
@@ -32,7 +33,7 @@ class KimiK3DecoderLayer(nn.Module):
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
-        self.is_mla = config.layer_types[layer_idx] == FULL_ATTENTION
+        self.is_mla = config.is_mla_layer(layer_idx)
         self.self_attn = MLAttention(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -133,6 +134,15 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
+        self.set_backends(BackendChoice.from_env())
+
+    def set_backends(self, backends: BackendChoice) -> None:
+        """Route the kernel calls of every layer through `backends` (read from the environment when the model is
+        built; `LLM(attention_backend=, kernel_backend=)` sets its own)."""
+        self.backends = backends
+        for module in self.modules():
+            if hasattr(module, "backends"):
+                module.backends = backends
 
     def forward_packed(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """Run all layers on packed embeddings x [T, d]; the entry point the engine shares."""

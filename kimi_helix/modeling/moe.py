@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.backends import BackendChoice
 from ..kernels.moe import fused_experts, moe_router_ref
 from .config import KimiK3Config
 from .layers import SwiGLU
@@ -59,10 +60,11 @@ class RoutedExperts(nn.Module):
         e, i, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU)."""
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, backend=self.backends.kernels)
 
 
 class SparseMoE(nn.Module):

@@ -3,7 +3,7 @@
 `validate_speculative_config` reads configs only (the target's `KimiK3Config`, the drafter's `DSparkConfig`, or
 their dicts) and either returns the normalised `SpeculativeConfig` or raises `UnsupportedConfigError` listing
 every reason at once, each with the values that would be allowed. The verify-phase attention backend is gated on
-the attention switch's declared kernel capabilities (`kernels.backends.select_backend`) at the heads one rank
+the attention switch's declared kernel capabilities (`kernels.backends.select`) at the heads one rank
 runs, never on a proxy.
 """
 
@@ -224,9 +224,9 @@ def _check_verify_backend(
     )
     forced = spec.get("attention_backend")
     try:
-        return backends.select_backend(request, forced).name
+        return backends.select(request, forced)
     except (backends.BackendUnavailableError, ValueError) as err:
-        names = sorted(backends.build_registry())
+        names = backends.backend_names("attention")
         out.append(Reason("attention_backend", f"cannot run the verify phase: {err}", f"one of {names} that can"))
         return None
 

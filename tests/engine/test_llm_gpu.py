@@ -6,7 +6,7 @@ import torch
 
 from kimi_helix import KimiK3Cache, KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.engine import LLM, SamplingParams
-from kimi_helix.kernels.backends import ENV_VAR, OP_ENV_VAR, select_backend, select_op_backend
+from kimi_helix.kernels.backends import ATTENTION_ENV_VAR, KERNEL_ENV_VAR, BackendChoice, select
 
 from ..modeling.conftest import k3_kwargs, randomize_router_bias, rel_err, tiny_kwargs
 
@@ -29,15 +29,16 @@ def _model(kwargs) -> tuple[KimiK3ForCausalLM, list[list[int]]]:
     return model.to("cuda"), [torch.randint(3, 128, (n,), generator=g).tolist() for n in (7, 100, 1, 65)]
 
 
-def _use_torch(monkeypatch, on: bool) -> None:
-    """Route attention and every other op to the torch reference (on) or back to the automatic choice."""
-    for var in (ENV_VAR, OP_ENV_VAR):
+def _use_torch(monkeypatch, on: bool, model) -> None:
+    """Route attention and every other op to the torch reference (on) or back to the automatic choice, for the
+    engines built next and for `model` itself (the environment is read when a model or LLM is built)."""
+    for var in (ATTENTION_ENV_VAR, KERNEL_ENV_VAR):
         if on:
             monkeypatch.setenv(var, "torch")
         else:
             monkeypatch.delenv(var, raising=False)
-    select_backend.cache_clear()
-    select_op_backend.cache_clear()
+    model.model.set_backends(BackendChoice.from_env())
+    select.cache_clear()
 
 
 @torch.no_grad()
@@ -57,11 +58,11 @@ def _forced_logits(model, prompt: list[int], continuation: list[int]) -> torch.T
 def test_greedy_engine_on_gpu_matches_torch_backend(kwargs, monkeypatch):
     """fp32: every greedy token of the engine through the automatic backends equals the torch backend's."""
     model, prompts = _model(kwargs)
-    _use_torch(monkeypatch, False)
+    _use_torch(monkeypatch, False, model)
     fast = LLM(model, page_size=16).generate(prompts, GREEDY)
-    _use_torch(monkeypatch, True)
+    _use_torch(monkeypatch, True, model)
     reference = LLM(model, page_size=16, attention_backend="torch").generate(prompts, GREEDY)
-    _use_torch(monkeypatch, False)
+    _use_torch(monkeypatch, False, model)
     assert [o.token_ids for o in fast] == [o.token_ids for o in reference]
 
 
@@ -72,18 +73,18 @@ def test_bf16_as_close_to_fp32_as_torch_backend(kwargs, monkeypatch):
 
     Greedy tokens are no criterion in bf16 here: the tiny models' top-2 logit margins are about 0.03 while bf16
     moves logits by 1-3% of their norm, so the torch backend in bf16 itself leaves the fp32 tokens on 5 of the 8
-    prompts within 16 tokens (run 15, docs/benchmarks.md). The engines' bf16 agreement is printed for the record."""
+    prompts within 16 tokens (docs/benchmark-history.md). The engines' bf16 agreement is printed for the record."""
     model, prompts = _model(kwargs)
-    _use_torch(monkeypatch, True)
+    _use_torch(monkeypatch, True, model)
     fp32 = [o.token_ids for o in LLM(model, page_size=16, attention_backend="torch").generate(prompts, GREEDY)]
     reference = torch.cat([_forced_logits(model, p, c) for p, c in zip(prompts, fp32)])
     model = model.to(torch.bfloat16)
     err, agree = {}, {}
     for name in ("torch", "auto"):
-        _use_torch(monkeypatch, name == "torch")
+        _use_torch(monkeypatch, name == "torch", model)
         err[name] = rel_err(torch.cat([_forced_logits(model, p, c) for p, c in zip(prompts, fp32)]), reference)
         out = LLM(model, page_size=16, attention_backend="torch" if name == "torch" else None).generate(prompts, GREEDY)
         agree[name] = sum(a == b for o, r in zip(out, fp32) for a, b in zip(o.token_ids, r))
-    _use_torch(monkeypatch, False)
+    _use_torch(monkeypatch, False, model)
     print(f"bf16 logits vs fp32: {err}; greedy tokens equal to fp32 of {16 * len(prompts)}: {agree}")
     assert err["auto"] <= 2 * err["torch"], err

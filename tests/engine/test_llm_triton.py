@@ -8,24 +8,19 @@ import torch
 
 from kimi_helix import KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.engine import LLM, SamplingParams
-from kimi_helix.kernels.backends import select_backend, select_op_backend
+from kimi_helix.kernels.backends import OPS, select
 
 from ..modeling.conftest import k3_kwargs, randomize_router_bias
 
 
 @pytest.fixture
-def forced_kernels(monkeypatch):
-    def force(name):
-        monkeypatch.setenv("KIMI_HELIX_KERNEL_BACKEND", name)
-        select_op_backend.cache_clear()  # selections are cached (and logged) once per distinct case
-        select_backend.cache_clear()
-
-    yield force
-    select_op_backend.cache_clear()
-    select_backend.cache_clear()
+def fresh_selection():
+    select.cache_clear()  # selections are cached (and logged) once per distinct case
+    yield
+    select.cache_clear()
 
 
-def test_all_triton_engine_equals_torch_engine(forced_kernels, caplog):
+def test_all_triton_engine_equals_torch_engine(fresh_selection, caplog):
     # Triton tiles need power-of-two widths: latent 32 + 16, expanded heads 16 + 16 / 16, KDA heads of 16.
     kwargs = {**k3_kwargs(), "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16}
     torch.manual_seed(0)
@@ -34,14 +29,12 @@ def test_all_triton_engine_equals_torch_engine(forced_kernels, caplog):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 19)]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    forced_kernels("triton")
     with caplog.at_level(logging.INFO, logger="kimi_helix.kernels.backends"):
-        fast = LLM(model, page_size=16, attention_backend="triton").generate(prompts, params)
+        fast = LLM(model, page_size=16, attention_backend="triton", kernel_backend="triton").generate(prompts, params)
     chosen = " ".join(caplog.messages)
-    for op in ("kda_chunk", "kda_recurrent", "conv", "conv_update", "gated_norm", "moe_experts"):
+    for op in OPS:
         assert f"kernel backend triton for OpRequest(op='{op}'" in chosen, op
     for phase in ("prefill", "decode"):
         assert f"attention backend triton for AttentionRequest(phase='{phase}'" in chosen, phase
-    forced_kernels("torch")
-    reference = LLM(model, page_size=16, attention_backend="torch").generate(prompts, params)
+    reference = LLM(model, page_size=16, attention_backend="torch", kernel_backend="torch").generate(prompts, params)
     assert [o.token_ids for o in fast] == [o.token_ids for o in reference]

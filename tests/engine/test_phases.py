@@ -57,8 +57,8 @@ def test_a_mixed_step_sends_decodes_and_verifies_to_the_decode_kernels(monkeypat
     calls = []
     spy(monkeypatch, paged_mla, "mla_decode", calls, lambda q: q.shape[0])
     spy(monkeypatch, paged_mla, "mla_prefill", calls, lambda q: q.shape[0])
-    spy(monkeypatch, kda_module, "kda_recurrent", calls, lambda q: q.shape[1])
-    spy(monkeypatch, kda_module, "kda_chunk", calls, lambda q: q.shape[1])
+    spy(monkeypatch, kda_module, "fused_recurrent_kda", calls, lambda q: q.shape[1])
+    spy(monkeypatch, kda_module, "chunk_kda", calls, lambda q: q.shape[1])
     spy(monkeypatch, kda_module, "causal_conv1d_update", calls, lambda x: x.shape[0])
     spy(monkeypatch, kda_module, "causal_conv1d", calls, lambda x: x.shape[1])
     model = make_model()
@@ -74,8 +74,8 @@ def test_a_mixed_step_sends_decodes_and_verifies_to_the_decode_kernels(monkeypat
     assert counts == {
         ("mla_decode", 5): n_mla,
         ("mla_prefill", 9): n_mla,
-        ("kda_recurrent", 5): n_kda,
-        ("kda_chunk", 9): n_kda,
+        ("fused_recurrent_kda", 5): n_kda,
+        ("chunk_kda", 9): n_kda,
         ("causal_conv1d", 5): n_kda,
         ("causal_conv1d", 9): n_kda,
     }
@@ -85,7 +85,7 @@ def test_a_mixed_step_sends_decodes_and_verifies_to_the_decode_kernels(monkeypat
         model.model.forward_packed(torch.randn(2, model.config.hidden_size), decode_only, llm.cache.view([0, 1]))
     assert {key: calls.count(key) for key in set(calls)} == {
         ("mla_decode", 2): n_mla,
-        ("kda_recurrent", 2): n_kda,
+        ("fused_recurrent_kda", 2): n_kda,
         ("causal_conv1d_update", 2): n_kda,
     }
 

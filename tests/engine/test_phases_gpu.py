@@ -7,7 +7,6 @@ import torch
 from kimi_helix import KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.engine import LLM, SamplingParams
 from kimi_helix.engine.scheduler import Request, ScheduledStep
-from kimi_helix.kernels.backends import OP_ENV_VAR, select_backend, select_op_backend
 from kimi_helix.modeling.batch import Phase
 
 from ..modeling.conftest import k3_kwargs, randomize_router_bias, rel_err, tiny_kwargs
@@ -36,7 +35,7 @@ def _prompts(lengths, seed=1):
 
 def _mixed_step_logits(model, backend):
     """Prefill two prompts, then one step of a verify group (1 + 5 tokens), a decode and a prefill chunk."""
-    llm = LLM(model, page_size=16, attention_backend=backend)
+    llm = LLM(model, page_size=16, attention_backend=backend, kernel_backend=backend)
     a, b, c, extra = _prompts([37, 20, 50, 6])
     ra, rb, rc = (
         Request(i, None, p, SamplingParams(max_tokens=16, prompt_logprobs=0), None) for i, p in enumerate((a, b, c))
@@ -55,15 +54,9 @@ def _mixed_step_logits(model, backend):
 
 
 @MODELS
-def test_mixed_verify_step_on_gpu_matches_torch_backend(kwargs, monkeypatch):
+def test_mixed_verify_step_on_gpu_matches_torch_backend(kwargs):
     model = _model(kwargs)
-    monkeypatch.setenv(OP_ENV_VAR, "torch")
-    select_backend.cache_clear()
-    select_op_backend.cache_clear()
     reference = _mixed_step_logits(model, "torch")
-    monkeypatch.delenv(OP_ENV_VAR)
-    select_backend.cache_clear()
-    select_op_backend.cache_clear()
     fast = _mixed_step_logits(model, None)
     err = rel_err(fast, reference)
     print(f"mixed verify/decode/prefill step, Triton vs torch backend: relative logit error {err:.2e}")

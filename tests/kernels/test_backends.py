@@ -1,9 +1,9 @@
-"""The attention backend switch: declared capabilities match what the kernels really do, and refusals explain.
+"""The backend switch: declared capabilities match what the kernels really do, and refusals explain.
 
-The truth table covers every phase x H in 1..128 x dtypes x (LSE needed, bounds needed) on this machine's device.
-For each case the automatically chosen backend's kernel is run on small inputs; each other backend that declares
-it can serve the case is run too (Triton on a spread of head counts: the interpreter is slow), and each backend
-that declares it cannot is shown to be refused.
+The attention truth table covers every phase x H in 1..128 x dtypes x (LSE needed, bounds needed) on this machine's
+device; the op truth table every op x dtype x head dim x device. For each case the automatically chosen backend's
+kernel is run on small inputs; each other backend that declares it can serve the case is run too (Triton on a
+spread of head counts: the interpreter is slow), and each backend that declares it cannot is shown to be refused.
 """
 
 import itertools
@@ -13,13 +13,21 @@ import pytest
 import torch
 
 from kimi_helix.kernels.backends import (
+    OPS,
     PHASES,
     AttentionRequest,
+    BackendChoice,
     BackendUnavailableError,
-    build_registry,
-    select_backend,
+    OpRequest,
+    reasons,
+    registry,
+    select,
 )
+from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
+from kimi_helix.kernels.kda import chunk_kda, fused_recurrent_kda
 from kimi_helix.kernels.mla import mla_decode, mla_prefill
+from kimi_helix.kernels.moe import fused_experts
+from kimi_helix.kernels.norm import gated_rms_norm
 
 KV_LORA, ROPE, NOPE, V_DIM = 32, 16, 32, 32  # latent 48 = 32 + 16; expanded q/k 48, v 32: Triton-tileable
 TRITON_HEADS = {1, 3, 16, 17, 64, 96, 128}
@@ -29,9 +37,10 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @pytest.fixture(autouse=True)
 def fresh_selection(monkeypatch):
     monkeypatch.delenv("KIMI_HELIX_ATTENTION_BACKEND", raising=False)
-    select_backend.cache_clear()
+    monkeypatch.delenv("KIMI_HELIX_KERNEL_BACKEND", raising=False)
+    select.cache_clear()
     yield
-    select_backend.cache_clear()
+    select.cache_clear()
 
 
 def run_case(r: AttentionRequest, backend: str):
@@ -90,28 +99,28 @@ def usable(r: AttentionRequest, backend: str) -> bool:
 
 def test_truth_table_every_choice_runs():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    registry = build_registry()
+    names = sorted(registry())
     served = refused = 0
     ran = set()  # need_lse does not change the call, so each kernel call runs once
     for r in requests(device):
         try:
-            chosen = select_backend(r).name
+            chosen = select(r)
         except BackendUnavailableError as err:
             # Nothing can serve it: only prefill with per-token bounds, which no prefill kernel takes.
             assert r.phase == "prefill" and r.need_kv_bounds, (r, err)
-            assert all(name in str(err) for name in registry)
+            assert all(name in str(err) for name in names)
             refused += 1
             continue
         served += 1
         out, lse = run_case(r, chosen)
         assert torch.isfinite(out).all(), (r, chosen)
         assert (lse is not None) or not r.need_lse, (r, chosen)
-        for name, backend in registry.items():
+        for name in names:
             if name == chosen or not usable(r, name):
                 continue
-            if backend.reasons(r):
+            if reasons(name, r):
                 with pytest.raises(BackendUnavailableError):
-                    select_backend(r, name)
+                    select(r, name)
             elif name != "triton" or r.num_heads in TRITON_HEADS:
                 key = (name, r.phase, r.num_heads, r.q_dtype, r.kv_dtype, r.need_kv_bounds)
                 if key in ran:
@@ -131,7 +140,7 @@ def test_h96_generation_only_verify_batches_get_a_legal_backend(need_lse):
     """Kimi K3's 96 heads with a speculative-verify batch (no context requests): TRT-LLM once routed this to a
     kernel that takes only H <= 64 or H >= 128. Here the GPU choice is Triton, and it really runs H=96 verify."""
     r = AttentionRequest("verify", 96, KV_LORA + ROPE, KV_LORA, "fp16", "fp16", "cuda", need_lse, True)
-    assert select_backend(r).name == "triton"
+    assert select(r) == "triton"
     on_cpu = AttentionRequest("verify", 96, KV_LORA + ROPE, KV_LORA, "fp16", "fp16", "cpu", need_lse, True)
     out, lse = run_case(on_cpu, "triton")
     ref_out, ref_lse = run_case(on_cpu, "torch")
@@ -142,26 +151,114 @@ def test_h96_generation_only_verify_batches_get_a_legal_backend(need_lse):
 def test_forced_backend_that_cannot_serve_raises_with_reasons(monkeypatch):
     r = AttentionRequest("prefill", 8, 48, 32, "fp16", "fp16", "cpu", need_lse=True)
     with pytest.raises(BackendUnavailableError, match="'sdpa' cannot serve .*does not return LSE"):
-        select_backend(r, "sdpa")
+        select(r, "sdpa")
     monkeypatch.setenv("KIMI_HELIX_ATTENTION_BACKEND", "sdpa")
+    assert select(r) == "torch"  # selection itself never reads the environment
     with pytest.raises(BackendUnavailableError, match="does not return LSE"):
-        select_backend(r)
+        select(r, BackendChoice.from_env().attention)
     with pytest.raises(ValueError, match="must be one of"):
-        select_backend(r, "flashmla")
+        select(r, "flashmla")
 
 
 def test_no_backend_lists_every_reason():
     r = AttentionRequest("verify", 8, 48, 32, "fp16", "fp16", "tpu")
     with pytest.raises(BackendUnavailableError) as err:
-        select_backend(r)
-    for name, why in [("torch", "device 'tpu'"), ("triton", "device 'tpu'"), ("sdpa", "no verify kernel")]:
+        select(r)
+    for name, why in [("torch", "device 'tpu'"), ("triton", "device 'tpu'"), ("sdpa", "no mla_verify kernel")]:
         assert f"{name}: " in str(err.value) and why in str(err.value)
 
 
 def test_triton_refuses_untileable_dims_and_says_why():
     r = AttentionRequest("decode", 4, 47, 32, "fp16", "fp16", "cuda")
     with pytest.raises(BackendUnavailableError, match="rope dim 15 is not 0 or a power of two"):
-        select_backend(r, "triton")
+        select(r, "triton")
     with pytest.raises(BackendUnavailableError, match="head_dim=47 is not a power of two or a sum of two"):
-        select_backend(AttentionRequest("prefill", 4, 47, 32, "fp16", "fp16", "cuda"), "triton")
-    assert select_backend(r).name == "torch"  # the switch falls back instead of failing
+        select(AttentionRequest("prefill", 4, 47, 32, "fp16", "fp16", "cuda"), "triton")
+    assert select(r) == "torch"  # the switch falls back instead of failing
+
+
+# ---------------------------------------------------------------- the other ops
+
+OP_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def run_op(r: OpRequest, backend: str) -> torch.Tensor:
+    """Call the op the request describes (head dim `r.head_dim` for KDA, else 16) on small inputs; return its
+    first output."""
+    g = torch.Generator().manual_seed(0)
+    dt = DTYPES[r.dtype]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    if r.op in ("chunk_kda", "fused_recurrent_kda"):
+        k_dim = r.head_dim
+        q, k, v = rand(1, 5, 2, k_dim), rand(1, 5, 2, k_dim), rand(1, 5, 2, k_dim)
+        gate = -torch.rand(1, 5, 2, k_dim, generator=g).to(dt)
+        beta = torch.rand(1, 5, 2, generator=g).to(dt)
+        fn = chunk_kda if r.op == "chunk_kda" else fused_recurrent_kda
+        return fn(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, backend=backend)[0]
+    if r.op == "causal_conv1d":
+        return causal_conv1d(rand(1, 6, 16), rand(16, 4), backend=backend)[0]
+    if r.op == "causal_conv1d_update":
+        return causal_conv1d_update(rand(2, 16), rand(2, 3, 16), rand(16, 4), backend=backend)
+    if r.op == "gated_rms_norm":
+        return gated_rms_norm(rand(3, 16), rand(3, 16), torch.ones(16, dtype=dt), 1e-6, backend=backend)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 3]])
+    weights = torch.rand(3, 2, generator=g)
+    return fused_experts(rand(3, 16), rand(4, 32, 16), rand(4, 16, 16), weights, ids, backend=backend)
+
+
+def op_requests(device: str):
+    for op, dtype in itertools.product(OPS, OP_DTYPES):
+        for head_dim in (16, 72) if "kda" in op else (0,):
+            yield OpRequest(op, dtype, device, head_dim)
+
+
+def test_op_truth_table_every_choice_runs():
+    """Every op x dtype x KDA head dim on this machine's device: the chosen backend runs and gives finite output;
+    every other backend that declares it can serve the case runs too, and one that declares it cannot is refused.
+    The same cases on a (simulated) CUDA request choose Triton where it declares support and torch elsewhere."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for r in op_requests(device):
+        chosen = select(r)
+        assert torch.isfinite(run_op(r, chosen).float()).all(), (r, chosen)
+        for name in sorted(registry()):
+            if name == chosen or (name == "triton" and device == "cpu" and r.dtype == "bf16"):
+                continue
+            if reasons(name, r):
+                with pytest.raises(BackendUnavailableError):
+                    select(r, name)
+            else:
+                assert torch.isfinite(run_op(r, name).float()).all(), (r, name)
+    for r in op_requests("cuda"):
+        assert select(r) == ("torch" if r.head_dim == 72 else "triton"), r
+
+
+def test_op_that_triton_declines_on_cuda_falls_back_to_torch():
+    """KDA head_dim 72 on CUDA: Triton declines, "sdpa" (in the priority, no such op) is skipped with its reason,
+    and the torch reference serves, instead of a KeyError."""
+    for op in ("chunk_kda", "fused_recurrent_kda"):
+        r = OpRequest(op, "bf16", "cuda", head_dim=72)
+        assert select(r) == "torch"
+        with pytest.raises(BackendUnavailableError, match="head_dim=72 is not a power of two in \\[16, 256\\]"):
+            select(r, "triton")
+        with pytest.raises(BackendUnavailableError, match=f"'sdpa' cannot serve .*no {op} kernel"):
+            select(r, "sdpa")
+    with pytest.raises(BackendUnavailableError) as err:
+        select(OpRequest("gated_rms_norm", "fp16", "tpu"))
+    assert "sdpa: no gated_rms_norm kernel" in str(err.value) and "torch: device 'tpu'" in str(err.value)
+
+
+def test_environment_is_read_when_the_choice_is_built(monkeypatch):
+    """The variables count when a model or LLM is built (`BackendChoice.from_env`), not at the first call; an
+    argument wins over the variable, and a bad name is refused with the allowed ones."""
+    assert BackendChoice.from_env() == BackendChoice(None, None)
+    monkeypatch.setenv("KIMI_HELIX_KERNEL_BACKEND", "torch")
+    monkeypatch.setenv("KIMI_HELIX_ATTENTION_BACKEND", "sdpa")
+    assert BackendChoice.from_env() == BackendChoice("sdpa", "torch")
+    assert BackendChoice.from_env(attention="triton", kernels="triton") == BackendChoice("triton", "triton")
+    with pytest.raises(ValueError, match=r"kernels backend must be None \(automatic\) or one of \['torch', 'triton'\]"):
+        BackendChoice(kernels="sdpa")
+    with pytest.raises(ValueError, match="attention backend must be None"):
+        BackendChoice(attention="flashmla")

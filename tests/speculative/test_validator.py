@@ -146,7 +146,7 @@ ROWS = [
         TARGET,
         DRAFTER,
         {},
-        ("attention_backend", "no verify kernel"),
+        ("attention_backend", "no mla_verify kernel"),
     ),
     (
         "forced-unknown",
@@ -202,20 +202,14 @@ class _GapCaps(backends.KernelCaps):
 
 @pytest.fixture
 def gap_kernel_registry(monkeypatch):
-    real = backends.build_registry
-
-    def registry():
-        reg = real()
-        base = reg["triton"].kernels["verify"]
-        gap = _GapCaps(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
-        reg["gap"] = backends.Backend("gap", {**reg["triton"].kernels, "verify": gap})
-        return reg
-
-    monkeypatch.setattr(backends, "build_registry", registry)
+    real = backends.registry()
+    base = real["triton"]["mla_verify"]
+    gap = _GapCaps(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    monkeypatch.setattr(backends, "registry", lambda: {**real, "gap": {**real["triton"], "mla_verify": gap}})
     monkeypatch.setitem(backends.PRIORITY, "cpu", ("gap", "torch", "sdpa", "triton"))
-    backends.select_backend.cache_clear()
+    backends.select.cache_clear()
     yield
-    backends.select_backend.cache_clear()
+    backends.select.cache_clear()
 
 
 def _k3_heads(heads: int) -> dict:

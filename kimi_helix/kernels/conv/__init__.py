@@ -1,4 +1,4 @@
-"""Short causal depthwise convolution ops (the KDA q/k/v ShortConvolution), dispatched by the op switch.
+"""Short causal depthwise convolution ops (the KDA q/k/v ShortConvolution), dispatched by the backend switch.
 
 `causal_conv1d` / `causal_conv1d_update` pick the torch reference (`naive.py`) or the Triton kernels
 (`triton.py`) from their declared capabilities; see `naive.py` for the contracts.
@@ -22,7 +22,7 @@ def causal_conv1d(
     backend=None,
 ):
     """Causal depthwise conv + activation over x [B, T, D] (varlen with cu_seqlens); see `naive.causal_conv1d`."""
-    if op_backend("conv", x, forced=backend) == "triton":
+    if op_backend("causal_conv1d", x, forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_triton as fn
     else:
         fn = naive.causal_conv1d
@@ -31,7 +31,7 @@ def causal_conv1d(
 
 def causal_conv1d_update(x, conv_state, weight, activation="silu", state_indices=None, *, backend=None):
     """One decode step x [N, D] with conv_state [N, W-1, D] updated in place; see `naive.causal_conv1d_update`."""
-    if op_backend("conv_update", x, forced=backend) == "triton":
+    if op_backend("causal_conv1d_update", x, forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_update_triton as fn
     else:
         fn = naive.causal_conv1d_update

@@ -12,7 +12,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kimi_helix.kernels.kda.common import gather_states, scatter_states, segment_bounds
+from kimi_helix.kernels.common import gather_states, scatter_states, segment_bounds
 
 __all__ = ["causal_conv1d", "causal_conv1d_update"]
 
@@ -51,6 +51,7 @@ def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     return y, xs
 
 
+# Twin of `triton.causal_conv1d_triton` (same signature and contract): change them together.
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,

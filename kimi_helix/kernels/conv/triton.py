@@ -7,17 +7,21 @@ may be an engine pool ``[slots, W - 1, D]`` addressed by ``state_indices`` and i
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
 from kimi_helix.kernels.conv.naive import check_weight
-from kimi_helix.kernels.kda.common import check_cu_seqlens, check_device, check_index, check_triton_device
+from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.sequences import sequence_span
 
-__all__ = ["causal_conv1d_triton", "causal_conv1d_update_triton"]
+__all__ = ["CAPS", "causal_conv1d_triton", "causal_conv1d_update_triton"]
+
+# What both kernels serve, read by the backend switch.
+CAPS = OpCaps(triton_devices(), FLOATS)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -102,13 +106,7 @@ def causal_conv1d_final_state_kernel(
     # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
     # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free.
     i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n * T
-        eos = bos + T
-    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
     o_w = tl.arange(0, BW)
     o_d = i_d * BD + tl.arange(0, BD)
     m = (o_w < W - 1)[:, None] & (o_d < D)[None, :]
@@ -158,10 +156,6 @@ def causal_conv1d_update_kernel(
     tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=mask_d)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _silu(activation: str | None) -> bool:
     if activation is None:
         return False
@@ -189,6 +183,7 @@ def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int
         raise ValueError(f"{name} must be contiguous along D (it is read and written in place)")
 
 
+# Twin of `naive.causal_conv1d` (same signature and contract): change them together.
 def causal_conv1d_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -242,7 +237,7 @@ def causal_conv1d_triton(
         # token -> sequence without a host sync; the first boundary (0) is dropped so the search counts ends passed
         tokens = torch.arange(B * T, device=x.device, dtype=cu_seqlens.dtype)
         seq_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
-    bt, bd = (16, 32) if _interpreting() else (32, 128)
+    bt, bd = (16, 32) if interpreting() else (32, 128)
     if B * T > 0:
         grid = (cdiv(B * T, bt), cdiv(D, bd))
         causal_conv1d_fwd_kernel[grid](
@@ -304,7 +299,7 @@ def causal_conv1d_update_triton(
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     if N == 0:
         return y
-    bd = 32 if _interpreting() else 256
+    bd = 32 if interpreting() else 256
     causal_conv1d_update_kernel[(N, cdiv(D, bd))](
         x, weight.contiguous(), y, conv_state, state_indices, x.stride(0), conv_state.stride(0), conv_state.stride(1),
         D, W=W, BD=bd,

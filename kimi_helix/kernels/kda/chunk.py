@@ -29,25 +29,23 @@ from itertools import pairwise
 
 import torch
 
-from kimi_helix.kernels.device import num_sms, side_stream
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.common import check_device, check_shape, check_triton_device, segment_bounds
+from kimi_helix.kernels.device import num_sms, side_stream, triton_devices
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
 from kimi_helix.kernels.kda.chunk_intra_blocks import kda_chunk_intra_blocks_kernel
 from kimi_helix.kernels.kda.chunk_intra_halves import kda_chunk_intra_halves_kernel
 from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
-from kimi_helix.kernels.kda.common import (
-    check_device,
-    check_gate_args,
-    check_kda_inputs,
-    check_shape,
-    check_state,
-    check_triton_device,
-    segment_bounds,
-)
+from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["chunk_kda"]
+__all__ = ["CAPS", "chunk_kda_triton"]
+
+# What this kernel serves, read by the backend switch: the [K, V] state tile lives in registers, so K is a power of
+# two in [16, 256].
+CAPS = OpCaps(triton_devices(), FLOATS, head_dims=(16, 256))
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BC = 16  # rows per sub-block of a chunk: the smallest tl.dot tile
@@ -68,63 +66,20 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
     return dev(bounds), dev(pairs).reshape(-1, 2), dev(offsets)
 
 
-# Launch parameters of the chunk-parallel kernels (scripts/tune_kda_prefill.py times candidates on a GPU). BKS is
-# the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
-# program of the state and output kernels (OUTPUT only applies without STATE["output"]).
+# Launch parameters of the chunk-parallel kernels, tuned on an H200 at T=8192, H=64 by scripts/tune_kda_prefill.py
+# (what each alternative gave is in docs/benchmark-history.md). BKS is the column slice of the intra kernels' dots,
+# BS that of the WY kernel's chunk-wide dots, BV the value columns per program of the state and output kernels
+# (OUTPUT only applies without STATE["output"]).
 #
 # INTRA["wide"] lets the gate kernel route every chunk whose decay spread fits to the chunk-wide factorisation, the
-# rest to the block kernel (or, with INTRA["halves"], first to the per-half pass); without either the block kernel
-# does every chunk. Whole prefill on an H200 at T=8192, H=64
-# (benchmarks/results/tune_kda_prefill.jsonl, commit 22af3f3): chunk-wide at BKS=32 with 4 warps and 3 stages
-# 1.64 ms (255 registers, a few spilled, two programs an SM; 8 warps 1.78 ms, BKS=16 1.67 ms), the block kernel for
-# every chunk 1.92 ms. Timed alone (benchmarks/results/ablate_kda_intra.jsonl), the block kernel does best at BKS=16
-# with 2 warps (20 16x16 accumulators live; 4 warps took 65% longer). The state pass is sequential over chunks, so
-# narrow programs (many of them) beat wide ones there: STATE["BV"] is the widest, halved while the grid would fill at
-# most half the SMs (run 9 at T=8192, commit f62adfa: H=32 0.88 ms at BV=32, 0.96 at 64; H=64 keeps 64; H=96 at 64
-# is within 3% of the best, 2.37 ms at BV=32).
-#
-# The WY kernel (run 9, commit 9fd5e78) does best with whole-chunk column slices, BS=64 with 8 warps: 1.57 ms
-# against 1.61 at BS=32. INTRA["halves"] enables the per-half pass (chunk_intra_halves.py) for the chunks too wide
-# for the whole-chunk pass (or, without INTRA["wide"], for every chunk that fits); WY["split"] gives each WY column
-# slice its own program. Both lost where timed (split: 1.64 ms at best, run 9; halves after the whole-chunk pass:
-# 1.61 ms at best against 1.59 without, run 11; routed, 1.496 against 1.480, run 12). Running the WY stage as the
-# intra kernels' epilogue lost too (run 10, commit 0413920, reverted: 1.588 ms at best against 1.568; the intra
-# kernels' two programs an SM starve it).
-#
-# STATE["output"] computes o in the state pass (run 10, commit abfd3f1): the per-chunk states and v_new stay in
-# registers and the output kernel does not run. At T=8192, H=64: 1.483 ms with 4 warps against 1.572 for the two
-# passes (8 warps with o: 1.580, and miscompiled; see _check_state_table).
-#
-# maxnreg caps the registers a thread (None: ptxas's choice). Run 11 (commit 2fd19c0) timed caps of 168 and 128 on
-# the intra kernels and 128 on WY: none beat None by more than the run-to-run spread (the chunk-wide kernel 419 us
-# capped at 168 against 418 uncapped), and the block kernel lost 50-220% capped. Since the gate kernel routes the
-# chunks (run 12), the chunk-wide kernel holds no running spread, and 128 registers gained: 1.462 and 1.463 ms
-# against 1.480 and 1.482 uncapped in two sweeps (commits dfa52e5, eade97d).
-#
-# GATE["BK"] is the gate kernel's column slice. Run 12 (commit eade97d) at T=8192, H=64: the whole 128 columns at
-# once with 4 warps did best for both gates (1.461 ms against 1.482 at BK=32; bounded 1.579 against 1.622).
-#
-# INTRA_BOUNDED replaces INTRA for the lower-bounded (K3) gate: a decay of up to |lower_bound| per token leaves
-# almost every chunk's spread too wide for the chunk-wide kernel (on the benchmark's gates no (chunk, head) fits one
-# pivot per 64 rows, every one fits a pivot per 32), so the per-half pass runs alone, the block kernel taking what
-# it leaves. With bound -5 at T=8192, H=64 (run 11, commit 2fd19c0): 1.690 ms (per-half kernel 726 us) against
-# 1.765 for the block kernel alone (814 us); chunk-wide first 2.00 at best. Routed by the gate kernel (run 12,
-# commit eade97d), the per-half kernel takes 637 us.
-#
-# Since the intra kernels also store the decayed q and k (run 15, commit 6b1859d; store_decayed in chunk_intra.py),
-# the chunk-wide kernel at BKS=32 spills (368 bytes a thread capped at 128 registers, 215 registers uncapped):
-# 1.774 ms capped, 1.414 uncapped, against 1.392 at BKS=16 capped (532 us; 1.401 uncapped, 1.399 at 168). The
-# per-half kernel does best at BKS=32 (1.442 ms with the bounded gate, 723 us; 1.495 at 16), and the lighter WY
-# kernel at 4 warps (184 us against 213 at 8).
-#
-# INTRA's (INTRA_BOUNDED's) BKS, warps, stages and maxnreg launch the chunk-wide kernel, HALVES the per-half kernel
-# for either gate. On the benchmark's given gates 7% of the chunks are too wide for one pivot; each takes a block
-# kernel program ~50 us, so run after the others that kernel added ~120 us of latency. Run 16 (T=8192, H=64,
-# benchmarks/results/ablate_kda_side_stream.jsonl): with BLOCKS["side_stream"] it runs on a stream forked after the
-# gate kernel and launched first, overlapping the other intra kernels, and the per-half pass takes most of those
-# chunks: 1.202-1.205 ms in three sweeps against 1.229-1.232 for neither (side stream alone 1.216-1.222; the per-half
-# pass alone 1.243; the per-half kernel on the side stream too 1.230). The state pass at BV=32 or with 2 stages lost
-# (1.369, 1.332 ms), as did the gate kernel at 8 warps or BK=64 (1.238, 1.234).
+# rest to the per-half pass (INTRA["halves"], chunk_intra_halves.py) and the block kernel; without either the block
+# kernel does every chunk. BLOCKS["side_stream"] runs the block kernel on a stream forked after the gate kernel, so
+# its few long programs overlap the other intra kernels. The state pass is sequential over chunks, so narrow
+# programs beat wide ones: STATE["BV"] is the widest, halved while the grid would fill at most half the SMs, and
+# STATE["output"] computes o in the state pass (the output kernel then does not run). INTRA_BOUNDED replaces INTRA
+# for the lower-bounded (K3) gate, whose per-token decay leaves almost no chunk narrow enough for the chunk-wide
+# kernel. maxnreg caps the registers a thread (None: ptxas's choice). WY["split"] gives each WY column slice its
+# own program (it lost where timed).
 GATE = dict(BK=128, num_warps=4)
 INTRA = dict(wide=True, halves=True, BKS=16, num_warps=4, num_stages=3, maxnreg=128)
 INTRA_BOUNDED = dict(wide=False, halves=True, BKS=32, num_warps=4, num_stages=3, maxnreg=None)
@@ -142,7 +97,7 @@ def _fit(block: int, dim: int) -> int:
 
 def _check_state_table() -> None:
     """The state pass computes o only at 4 warps: at 8, Triton 3.6 miscompiled it on an H200 (o off by 16% of its
-    norm, or an illegal memory access, at T=2048, H=32; commit 62fc004), while 4 warps and the pass without o at 8
+    norm, or an illegal memory access, at T=2048, H=32), while 4 warps and the pass without o at 8
     warps matched the reference in every case tried."""
     if STATE["output"] and STATE["num_warps"] != 4:
         raise ValueError(f"chunk.STATE with output=True needs num_warps=4 (the only count verified), got {STATE}")
@@ -157,7 +112,8 @@ def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
     return BV
 
 
-def chunk_kda(
+# Twin of `naive.naive_chunk_kda` (same signature and contract): an argument added to one goes into the other.
+def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -248,7 +204,7 @@ def chunk_kda(
             H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE=A_log is not None,
             LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
         )  # fmt: skip
-        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, L2NORM=use_qk_l2norm_in_kernel, DOT_PREC=dot_prec)
+        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm_in_kernel, DOT_PRECISION=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
 
         def launch(kernel, cfg):
@@ -275,22 +231,22 @@ def chunk_kda(
         slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
         kda_chunk_wy_kernel[(NT, H, slices)](
             kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
-            H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PREC=dot_prec,
+            H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PRECISION=dot_prec,
             SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
         )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(cdiv(V, BV), N * H)](
         w, u, kg, G, qg, Aqk, rnorm, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
         H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BV,
-        HAS_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
-        USE_STATE_INDICES=state_indices is not None, FUSE_OUTPUT=fuse_output, DOT_PREC=dot_prec,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=final_state is not None,
+        USE_STATE_INDICES=state_indices is not None, FUSE_OUTPUT=fuse_output, DOT_PRECISION=dot_prec,
         num_warps=STATE["num_warps"], num_stages=STATE["num_stages"],
     )  # fmt: skip
     if NT and not fuse_output:
         BVo = _fit(OUTPUT["BV"], V)
         kda_chunk_output_kernel[(cdiv(V, BVo), NT, H)](
             qg, h, Aqk, rnorm, v_new, o, cu, chunk_indices,
-            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PREC=dot_prec, num_warps=OUTPUT["num_warps"],
+            H=H, K=K, V=V, BT=chunk_size, BK=BK, BV=BVo, DOT_PRECISION=dot_prec, num_warps=OUTPUT["num_warps"],
             num_stages=OUTPUT["num_stages"],
         )  # fmt: skip
     return o, final_state

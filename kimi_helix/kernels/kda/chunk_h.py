@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.sequences import sequence_span
+
 
 @triton.jit
 def _last_decay(G, n, o_k, m_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
@@ -54,15 +56,15 @@ def kda_chunk_state_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     FUSE_OUTPUT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, 0, True, USE_STATE_INDICES)
     T = (eos - bos).to(tl.int32)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     w += bos * (H * K) + i_h * K
@@ -83,17 +85,14 @@ def kda_chunk_state_kernel(
     m_kv = m_k[:, None] & m_v[None, :]
     offs_kv = o_k[:, None] * V + o_v[None, :]
 
-    slot = i_n.to(tl.int64)
-    if USE_STATE_INDICES:
-        slot = tl.load(state_indices + i_n).to(tl.int64)
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INITIAL_STATE:
+    if USE_INITIAL_STATE:
         b_S = tl.load(h0 + (slot * H + i_h) * (K * V) + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
 
     h += (boh * H + i_h) * (K * V)
     # G's last row and the rows' scale/|q| feed no dot, so Triton's pipeliner leaves their loads inside the
-    # iteration, which then waits for them (the exp2 of G's row held 15% of the pass's stall samples, ncu on an
-    # H200, run 16): both are loaded a chunk ahead instead.
+    # iteration, which then waits for them (ncu: the exp2 of G's row held 15% of the pass's stall samples): both
+    # are loaded a chunk ahead instead.
     b_glast = _last_decay(G, T, o_k, m_k, H, K, BT)
     b_rq = tl.zeros([BT], dtype=tl.float32)
     if FUSE_OUTPUT:
@@ -113,15 +112,15 @@ def kda_chunk_state_kernel(
         b_w = tl.load(w + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_Sc = b_S.to(b_w.dtype)  # h_c, as the output kernel would read it back
         b_v = tl.load(u + o_t[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_v -= tl.dot(b_w, b_Sc, input_precision=DOT_PREC)
+        b_v -= tl.dot(b_w, b_Sc, input_precision=DOT_PRECISION)
         b_vc = b_v.to(b_w.dtype)  # v_new, likewise
         if FUSE_OUTPUT:
             b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-            b_o = tl.dot(b_qg, b_Sc, input_precision=DOT_PREC) * b_rq[:, None]
+            b_o = tl.dot(b_qg, b_Sc, input_precision=DOT_PRECISION) * b_rq[:, None]
             # whole rows: the intra kernels store zeros above the diagonal, so the load takes no causal mask, which
             # would split it into 2-byte loads that cannot be pipelined
             b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
-            b_o += tl.dot(b_A, b_vc, input_precision=DOT_PREC)
+            b_o += tl.dot(b_A, b_vc, input_precision=DOT_PRECISION)
             tl.store(o + o_t[:, None] * (H * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         else:
             tl.store(h + o_k[:, None] * V + o_v[None, :], b_Sc.to(h.dtype.element_ty), mask=m_kv)
@@ -129,7 +128,7 @@ def kda_chunk_state_kernel(
         b_kg = tl.load(kg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_S = b_S * tl.exp2(b_glast)[:, None]
         b_glast, b_rq = b_glast_next, b_rq_next
-        b_S += tl.dot(tl.trans(b_kg), b_vc, input_precision=DOT_PREC)
+        b_S += tl.dot(tl.trans(b_kg), b_vc, input_precision=DOT_PRECISION)
         h += H * K * V
         w += BT * H * K
         kg += BT * H * K

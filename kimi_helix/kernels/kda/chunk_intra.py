@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.sequences import chunk_span
+
 LOG2E = tl.constexpr(1.4426950408889634)
 MAX_SPREAD = tl.constexpr(96.0)
 # the intra kernel a (chunk, head) is routed to, in route [NT, H] int32
@@ -33,16 +35,7 @@ ROUTE_BLOCKS = tl.constexpr(2)
 
 
 @triton.jit
-def _chunk_span(cu_seqlens, chunk_indices, i_c, BT: tl.constexpr):
-    """(t0, T) of chunk i_c: its first packed token (int64) and its number of valid rows (int32, <= BT)."""
-    i_n, i_t = tl.load(chunk_indices + 2 * i_c), tl.load(chunk_indices + 2 * i_c + 1)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + i_t * BT
-    return t0, tl.minimum(eos - t0, BT).to(tl.int32)
-
-
-@triton.jit
-def _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H: tl.constexpr, K: tl.constexpr,
+def at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H: tl.constexpr, K: tl.constexpr,
               BT: tl.constexpr):  # fmt: skip
     """The intra kernels' pointers moved to token t0 and head i_h, so row indices are chunk-relative and offsets
     small."""
@@ -61,13 +54,12 @@ def store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, r0, c, T, K: tl.constexpr, 
         qg = exp2(G) q        kd = exp2(G) k        kg = exp2(G_last - G) k
 
     without the L2 norms. Stored here, from registers, the WY kernel reads kd alone (fla's split) where it read q,
-    k and the fp32 G to make all three: on an H200 at T=8192, H=64 (run 15) WY 415 -> 183 us, the chunk-wide intra
-    kernel 385 -> 530, the prefill 1.453 -> 1.393 ms. Stored by a second pass over the chunk after the inverse, as
-    the exact products, they cost the intra kernels more than WY saved (1.542 ms)."""
+    k and the fp32 G to make all three: the WY kernel saves more than the intra kernel pays. Stored by a second pass
+    over the chunk after the inverse, as the exact products, they cost the intra kernels more than WY saved."""
     b_eg = tl.exp2(b_g)
-    _store_tile(qg, b_q * b_eg, r0, c, T, K, H * K, BR, BS)
-    _store_tile(kd, b_k * b_eg, r0, c, T, K, H * K, BR, BS)
-    _store_tile(kg, b_k * tl.exp2(b_last[None, :] - b_g), r0, c, T, K, H * K, BR, BS)
+    store_tile(qg, b_q * b_eg, r0, c, T, K, H * K, BR, BS)
+    store_tile(kd, b_k * b_eg, r0, c, T, K, H * K, BR, BS)
+    store_tile(kg, b_k * tl.exp2(b_last[None, :] - b_g), r0, c, T, K, H * K, BR, BS)
 
 
 @triton.jit
@@ -93,7 +85,7 @@ def kda_chunk_gate_kernel(
     takes the chunk: chunk-wide (with WIDE) or per-half (with HALVES) where their decay spread fits, else the block
     kernel."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     # pointers start at the chunk, so offsets inside it are small
     g += t0 * (H * K) + i_h * K
     G += t0 * (H * K) + i_h * K
@@ -114,7 +106,7 @@ def kda_chunk_gate_kernel(
                 x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
         # padding rows come after every valid row, so they never reach a stored cumulative sum
         b_G = tl.cumsum(x, axis=0) * LOG2E
-        _store_tile(G, b_G, 0, c, T, K, H * K, BT, BK)
+        store_tile(G, b_G, 0, c, T, K, H * K, BT, BK)
         if WIDE or HALVES:
             tl.debug_barrier()  # the pivot rows are read back from G, stored by other threads
             sw, sh = _spreads(G, b_G, c, T, H * K, K, BT, BK, WIDE, HALVES, GATE)
@@ -142,7 +134,7 @@ def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
     rows = tl.arange(0, BT)
     m_k = (c + tl.arange(0, BK)) < K
     valid = (rows < T)[:, None] & m_k[None, :]
-    first, last = _row(G, 0, c, stride, K, BK), _row(G, T - 1, c, stride, K, BK)
+    first, last = load_row(G, 0, c, stride, K, BK), load_row(G, T - 1, c, stride, K, BK)
     wide = 0.0
     if WIDE:
         if MONOTONE:
@@ -153,8 +145,8 @@ def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
     if HALVES:
         HALF: tl.constexpr = BT // 2
         # each half around its mid decay, as in kda_chunk_intra_halves_kernel, whose cross block factors around g_h
-        g_h = _row(G, tl.minimum(HALF, T - 1), c, stride, K, BK)
-        g_h1 = _row(G, tl.minimum(HALF - 1, T - 1), c, stride, K, BK)
+        g_h = load_row(G, tl.minimum(HALF, T - 1), c, stride, K, BK)
+        g_h1 = load_row(G, tl.minimum(HALF - 1, T - 1), c, stride, K, BK)
         if MONOTONE:
             halves = 0.5 * tl.max(tl.where(m_k, tl.maximum(first - g_h1, g_h - last), 0.0))
         else:
@@ -167,15 +159,15 @@ def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def row_factors(sq, sk, beta, rnorm, r0, T, scale, H: tl.constexpr, BR: tl.constexpr, L2NORM: tl.constexpr):
+def row_factors(sq, sk, beta, rnorm, r0, T, scale, H: tl.constexpr, BR: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
     """(scale/|q|, 1/|k|, beta) of rows r0 .. r0+BR of a chunk, from the rows' sums of squares (1/|.| = 1 without
-    L2NORM); the first two are also stored to rnorm [T, H, 2] for the WY kernel and the state pass."""
+    USE_QK_L2NORM); the first two are also stored to rnorm [T, H, 2] for the WY kernel and the state pass."""
     rows = r0 + tl.arange(0, BR)
     m = rows < T
     b_b = tl.load(beta + rows * H, mask=m, other=0.0).to(tl.float32)
     rq = tl.full([BR], 1.0, tl.float32) * scale
     rk = tl.full([BR], 1.0, tl.float32)
-    if L2NORM:
+    if USE_QK_L2NORM:
         rq = (1.0 / tl.sqrt(sq + 1e-6)) * scale
         rk = 1.0 / tl.sqrt(sk + 1e-6)
     tl.store(rnorm + rows * (2 * H), rq, mask=m)
@@ -193,14 +185,14 @@ def _tile(ptr, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.cons
 
 
 @triton.jit
-def _row(ptr, r, c0, stride, D: tl.constexpr, BD: tl.constexpr):
+def load_row(ptr, r, c0, stride, D: tl.constexpr, BD: tl.constexpr):
     """Columns c0 .. c0+BD of row r (which must exist) as fp32, zero past column D."""
     cols = c0 + tl.arange(0, BD)
     return tl.load(ptr + r * stride + cols, mask=cols < D, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
+def store_tile(ptr, x, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
     rows = r0 + tl.arange(0, BR)
     cols = c0 + tl.arange(0, BD)
     mask = (rows < T)[:, None] & (cols < D)[None, :]
@@ -215,14 +207,15 @@ def zero_above_diagonal(Aqk, T, S, BT: tl.constexpr, BR: tl.constexpr):
     Z = tl.zeros([BR, BR], dtype=tl.float32)
     for i in tl.static_range(BT // BR):
         for j in tl.static_range(i + 1, BT // BR):
-            _store_tile(Aqk, Z, i * BR, j * BR, T, BT, S, BR, BR)
+            store_tile(Aqk, Z, i * BR, j * BR, T, BT, S, BR, BR)
 
 
 @triton.jit
 def _unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower-triangular [BC, BC] A (BC <= 32): with N = -A nilpotent, the inverse is
     sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (on an H200 the
-    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this; ablate_kda_intra.jsonl)."""
+    chunk-wide intra kernel took 737 us with forward substitution, 407 us with this;
+    benchmarks/results/history/ablate_kda_intra.jsonl)."""
     o_c = tl.arange(0, BC)
     P = -A
     X = tl.where(o_c[:, None] == o_c[None, :], 1.0, P)
@@ -234,64 +227,64 @@ def _unit_lower_inverse(A, BC: tl.constexpr):
 
 
 @triton.jit
-def _neg_dot(a, b, DOT_PREC: tl.constexpr):
-    return -tl.dot(a, b, input_precision=DOT_PREC)
+def _neg_dot(a, b, DOT_PRECISION: tl.constexpr):
+    return -tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _merge_row1(Ai00, Ai11, A10, DOT_PREC: tl.constexpr):
+def merge_row1(Ai00, Ai11, A10, DOT_PRECISION: tl.constexpr):
     """Block (1, 0) of (I + A)^-1 from the inverted diagonal blocks and A's block: -Ai11 A10 Ai00."""
-    return _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PREC), DOT_PREC)
+    return _neg_dot(Ai11, tl.dot(A10, Ai00, input_precision=DOT_PRECISION), DOT_PRECISION)
 
 
 @triton.jit
-def _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC: tl.constexpr):
+def merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PRECISION: tl.constexpr):
     """Blocks (2, 0) and (2, 1) of (I + A)^-1: -Ai22 sum_{j<=m<2} A2m Ai_mj."""
-    Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PREC), DOT_PREC)
-    b_s = tl.dot(A20, Ai00, input_precision=DOT_PREC) + tl.dot(A21, Ai10, input_precision=DOT_PREC)
-    return _neg_dot(Ai22, b_s, DOT_PREC), Ai21
+    Ai21 = _neg_dot(Ai22, tl.dot(A21, Ai11, input_precision=DOT_PRECISION), DOT_PRECISION)
+    b_s = tl.dot(A20, Ai00, input_precision=DOT_PRECISION) + tl.dot(A21, Ai10, input_precision=DOT_PRECISION)
+    return _neg_dot(Ai22, b_s, DOT_PRECISION), Ai21
 
 
 @triton.jit
-def _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC: tl.constexpr):
+def merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PRECISION: tl.constexpr):
     """Blocks (3, 0), (3, 1) and (3, 2) of (I + A)^-1: -Ai33 sum_{j<=m<3} A3m Ai_mj."""
-    Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PREC), DOT_PREC)
-    b_s = tl.dot(A31, Ai11, input_precision=DOT_PREC) + tl.dot(A32, Ai21, input_precision=DOT_PREC)
-    Ai31 = _neg_dot(Ai33, b_s, DOT_PREC)
-    b_s = tl.dot(A30, Ai00, input_precision=DOT_PREC) + tl.dot(A31, Ai10, input_precision=DOT_PREC)
-    return _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PREC), DOT_PREC), Ai31, Ai32
+    Ai32 = _neg_dot(Ai33, tl.dot(A32, Ai22, input_precision=DOT_PRECISION), DOT_PRECISION)
+    b_s = tl.dot(A31, Ai11, input_precision=DOT_PRECISION) + tl.dot(A32, Ai21, input_precision=DOT_PRECISION)
+    Ai31 = _neg_dot(Ai33, b_s, DOT_PRECISION)
+    b_s = tl.dot(A30, Ai00, input_precision=DOT_PRECISION) + tl.dot(A31, Ai10, input_precision=DOT_PRECISION)
+    return _neg_dot(Ai33, b_s + tl.dot(A32, Ai20, input_precision=DOT_PRECISION), DOT_PRECISION), Ai31, Ai32
 
 
 @triton.jit
-def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Completes Ai = (I + A)^-1 of one chunk in place (row stride S): given the inverted diagonal blocks and the A
     blocks below them, each block below the diagonal becomes Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Only blocks on
     or below the diagonal exist; the readers mask the rest."""
     if BT > BC:
         Ai00 = _tile(Ai, 0, 0, T, BT, S, BC, BC)
         Ai11 = _tile(Ai, BC, BC, T, BT, S, BC, BC)
-        Ai10 = _merge_row1(Ai00, Ai11, _tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PREC)
-        _store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
+        Ai10 = merge_row1(Ai00, Ai11, _tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PRECISION)
+        store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
         A20 = _tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
         A21 = _tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
         Ai22 = _tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
-        Ai20, Ai21 = _merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PREC)
-        _store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
-        _store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
+        Ai20, Ai21 = merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PRECISION)
+        store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
+        store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
 
         A30 = _tile(Ai, 3 * BC, 0, T, BT, S, BC, BC)
         A31 = _tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
         A32 = _tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
         Ai33 = _tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
-        Ai30, Ai31, Ai32 = _merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PREC)
-        _store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
-        _store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
-        _store_tile(Ai, Ai30, 3 * BC, 0, T, BT, S, BC, BC)
+        Ai30, Ai31, Ai32 = merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PRECISION)
+        store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
+        store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
+        store_tile(Ai, Ai30, 3 * BC, 0, T, BT, S, BC, BC)
 
 
 @triton.jit
-def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Turns the strictly lower beta-scaled A_kk this program just stored in Ai (row stride S) into (I + A)^-1:
     the diagonal blocks inverted, then the blocks below them."""
     # The blocks are read back, and rewritten, by other threads of this program.
@@ -299,11 +292,13 @@ def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.c
     for i in tl.static_range(BT // BC):
         A_ii = _tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
         tl.debug_barrier()
-        _store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
+        store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
     tl.debug_barrier()
-    _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PREC)
+    _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PRECISION)
 
 
+# The three intra kernels (this, `chunk_intra_blocks`, `chunk_intra_halves`) take the same arguments on purpose:
+# the gate kernel's route gives each chunk to one of them, and `chunk.py` launches all three alike.
 @triton.jit
 def kda_chunk_intra_kernel(
     q,
@@ -325,8 +320,8 @@ def kda_chunk_intra_kernel(
     BT: tl.constexpr,
     BC: tl.constexpr,
     BKS: tl.constexpr,
-    L2NORM: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """A_qk (without its 1/|k_j| column factor) and (I + A_kk)^-1 of one chunk and head, factored around the
     chunk's mid decay, with the norms and beta applied to the dot results; the decayed q and k; for the chunks
@@ -334,8 +329,8 @@ def kda_chunk_intra_kernel(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
         return
-    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = _at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
+    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)
@@ -348,21 +343,21 @@ def kda_chunk_intra_kernel(
         b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
         b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
         b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
-        b_last = _row(G, T - 1, c, HK, K, BKS)
+        b_last = load_row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
-        b_d = b_g - (0.5 * (_row(G, 0, c, HK, K, BKS) + b_last))[None, :]
+        b_d = b_g - (0.5 * (load_row(G, 0, c, HK, K, BKS) + b_last))[None, :]
         # entries above the diagonal may overflow here; `where` discards them below
         e = tl.exp2(tl.where(m_t[:, None], b_d, -float("inf")))
         kt = tl.trans(b_k * tl.exp2(tl.where(m_t[:, None], -b_d, -float("inf"))))
-        A_qk = tl.dot(b_q * e, kt, A_qk, input_precision=DOT_PREC)
-        A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PREC)
+        A_qk = tl.dot(b_q * e, kt, A_qk, input_precision=DOT_PRECISION)
+        A_kk = tl.dot(b_k * e, kt, A_kk, input_precision=DOT_PRECISION)
         store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, 0, c, T, K, BT, BKS, H)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
-    rq, rk, b_b = row_factors(sq, sk, beta, rnorm, 0, T, scale, H, BT, L2NORM)
+    rq, rk, b_b = row_factors(sq, sk, beta, rnorm, 0, T, scale, H, BT, USE_QK_L2NORM)
     offs = o_t[:, None] * S + o_t[None, :]
     A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * rq[:, None], 0.0)
     A_kk = tl.where(o_t[:, None] > o_t[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)
     tl.store(Aqk + offs, A_qk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
     tl.store(Ai + offs, A_kk, mask=m_t[:, None])
-    invert_in_place(Ai, T, S, BT, BC, DOT_PREC)
+    invert_in_place(Ai, T, S, BT, BC, DOT_PRECISION)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import _chunk_span
+from kimi_helix.kernels.sequences import chunk_span
 
 
 @triton.jit
@@ -29,11 +29,11 @@ def kda_chunk_output_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # pointers start at the chunk, so in-chunk offsets stay small
-    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     qg += t0 * (H * K) + i_h * K
     Aqk += t0 * (H * BT) + i_h * BT
     rnorm += t0 * (2 * H) + 2 * i_h
@@ -52,10 +52,10 @@ def kda_chunk_output_kernel(
     b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_rq = tl.load(rnorm + o_t * (2 * H), mask=m_t, other=0.0)
-    b_o = tl.dot(b_qg, b_h, input_precision=DOT_PREC) * b_rq[:, None]
+    b_o = tl.dot(b_qg, b_h, input_precision=DOT_PRECISION) * b_rq[:, None]
     # whole rows: the intra kernels store zeros above the diagonal (rows past the sequence end stay unwritten)
     b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_t[:, None], other=0.0)
     m_tv = m_t[:, None] & m_v[None, :]
     b_v = tl.load(v_new + o_t[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
-    b_o += tl.dot(b_A, b_v, input_precision=DOT_PREC)
+    b_o += tl.dot(b_A, b_v, input_precision=DOT_PRECISION)
     tl.store(o + o_t[:, None] * (H * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)

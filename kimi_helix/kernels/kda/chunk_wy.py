@@ -11,8 +11,7 @@ same factor out of ``A_qk``'s columns for the output). The column factor goes in
 the inverse is rounded to the input dtype; the row factor multiplies the fp32 dot results; so no stored value is
 rounded twice. Computed in column slices of ``BS`` so that only ``[BT, BS]`` tiles and the ``[BT, BT]`` inverse
 are live, by one program per chunk or one per slice. The dots take their operands in the input dtype (fp32
-accumulation), as fla's ``recompute_w_u`` does (488 -> 458 us on an H200 at T=8192, H=64, run 9, against fp32
-operands at tf32).
+accumulation), as fla's ``recompute_w_u`` does: faster than fp32 operands at tf32 (docs/benchmark-history.md).
 """
 
 from __future__ import annotations
@@ -20,12 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import _chunk_span, _store_tile
+from kimi_helix.kernels.kda.chunk_intra import store_tile
+from kimi_helix.kernels.sequences import chunk_span
 
 
 @triton.jit
 def _wy_slice(x, b_A, b_b, rk, y, c, T, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-              SCALE_BETA: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+              SCALE_BETA: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """Columns c .. c+BS of y = rk * (b_A x), x (scaled by beta first with SCALE_BETA) and y [T, D] with row stride
     H * D."""
     rows = tl.arange(0, BT)
@@ -34,8 +34,8 @@ def _wy_slice(x, b_A, b_b, rk, y, c, T, H: tl.constexpr, D: tl.constexpr, BT: tl
     b_x = tl.load(x + rows[:, None] * (H * D) + cols[None, :], mask=mask, other=0.0)
     if SCALE_BETA:
         b_x = b_x.to(tl.float32) * b_b[:, None]
-    b_y = tl.dot(b_A, b_x.to(b_A.dtype), input_precision=DOT_PREC) * rk[:, None]
-    _store_tile(y, b_y, 0, c, T, D, H * D, BT, BS)
+    b_y = tl.dot(b_A, b_x.to(b_A.dtype), input_precision=DOT_PRECISION) * rk[:, None]
+    store_tile(y, b_y, 0, c, T, D, H * D, BT, BS)
 
 
 @triton.jit
@@ -54,14 +54,14 @@ def kda_chunk_wy_kernel(
     V: tl.constexpr,
     BT: tl.constexpr,
     BS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     """w and u of one chunk and head: all column slices in one program, or with SPLIT one slice per program (grid
     axis 2: the cdiv(K, BS) slices of w, then the cdiv(V, BS) of u)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     # pointers start at the chunk, so offsets inside it are small
-    t0, T = _chunk_span(cu_seqlens, chunk_indices, i_c, BT)
+    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     kd += t0 * (H * K) + i_h * K
     w += t0 * (H * K) + i_h * K
     v += t0 * (H * V) + i_h * V
@@ -82,11 +82,11 @@ def kda_chunk_wy_kernel(
         NK: tl.constexpr = (K + BS - 1) // BS
         i_s = tl.program_id(2)
         if i_s < NK:
-            _wy_slice(kd, b_Aw, b_b, rk, w, i_s * BS, T, H, K, BT, BS, False, DOT_PREC)
+            _wy_slice(kd, b_Aw, b_b, rk, w, i_s * BS, T, H, K, BT, BS, False, DOT_PRECISION)
         else:
-            _wy_slice(v, b_Au, b_b, rk, u, (i_s - NK) * BS, T, H, V, BT, BS, True, DOT_PREC)
+            _wy_slice(v, b_Au, b_b, rk, u, (i_s - NK) * BS, T, H, V, BT, BS, True, DOT_PRECISION)
     else:
         for c in range(0, K, BS):
-            _wy_slice(kd, b_Aw, b_b, rk, w, c, T, H, K, BT, BS, False, DOT_PREC)
+            _wy_slice(kd, b_Aw, b_b, rk, w, c, T, H, K, BT, BS, False, DOT_PRECISION)
         for c in range(0, V, BS):
-            _wy_slice(v, b_Au, b_b, rk, u, c, T, H, V, BT, BS, True, DOT_PREC)
+            _wy_slice(v, b_Au, b_b, rk, u, c, T, H, V, BT, BS, True, DOT_PRECISION)

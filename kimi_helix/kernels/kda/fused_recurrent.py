@@ -15,18 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.common import (
-    check_cu_seqlens,
-    check_device,
-    check_gate_args,
-    check_index,
-    check_kda_inputs,
-    check_state,
-    check_triton_device,
-)
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
+from kimi_helix.kernels.device import triton_devices
+from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.sequences import sequence_span
 
-__all__ = ["fused_recurrent_kda"]
+__all__ = ["CAPS", "fused_recurrent_kda_triton"]
+
+# What this kernel serves, read by the backend switch: the [K, V] state tile lives in registers, so K is a power of
+# two in [16, 256].
+CAPS = OpCaps(triton_devices(), FLOATS, head_dims=(16, 256))
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -91,13 +91,7 @@ def fused_recurrent_kda_fwd_kernel(
     i_nh = pid // NV
     i_n = (i_nh // H).to(tl.int64)
     i_h = i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n * T
-        eos = bos + T
-    slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
 
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -161,7 +155,8 @@ def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, i
     return x, x.stride(0), x.stride(1)
 
 
-def fused_recurrent_kda(
+# Twin of `naive.naive_recurrent_kda` (same signature and contract, plus the state pool and the in-kernel gate).
+def fused_recurrent_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

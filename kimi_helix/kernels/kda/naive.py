@@ -16,13 +16,8 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kimi_helix.kernels.kda.common import (
-    check_kda_inputs,
-    check_shape,
-    gather_states,
-    scatter_states,
-    segment_bounds,
-)
+from kimi_helix.kernels.common import check_shape, gather_states, scatter_states, segment_bounds
+from kimi_helix.kernels.kda.common import check_kda_inputs
 
 __all__ = ["kda_gate", "l2norm", "naive_recurrent_kda", "naive_chunk_kda"]
 
@@ -152,6 +147,7 @@ def _recurrent_segment(q, k, v, g, beta, S, keep_states):
     return o, S, states
 
 
+# Same signature as `naive_chunk_kda` and the Triton twin `fused_recurrent.fused_recurrent_kda_triton`.
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -254,6 +250,7 @@ def _chunk_segment(q, k, v, g, beta, S, chunk_size):
     return o.transpose(1, 2), S, None
 
 
+# Same signature as `naive_recurrent_kda` and the Triton twin `chunk.chunk_kda_triton`: change them together.
 def naive_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import AttentionRequest, dtype_name, select_backend
+from ..backends import AttentionRequest, dtype_name, select
 
 
 def mla_decode(
@@ -30,7 +30,7 @@ def mla_decode(
     """Absorbed MLA over a paged cache: q [T, H, D] -> out [T, H, kv_lora_rank], lse [T, H].
 
     See `naive.mla_decode_ref` for the full contract. `phase` is "decode" (one query per sequence) or "verify"
-    (several); `backend` forces one (else $KIMI_HELIX_ATTENTION_BACKEND, else automatic).
+    (several); `backend` forces one ("torch", "triton"); None chooses automatically.
     """
     request = AttentionRequest(
         phase=phase,
@@ -43,7 +43,7 @@ def mla_decode(
         need_lse=need_lse,
         need_kv_bounds=kv_bounds is not None,
     )
-    name = select_backend(request, backend).name
+    name = select(request, backend)
     args = (q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, scale, kv_lora_rank, kv_bounds, kv_scale)
     if name == "triton":
         from .decode import mla_decode_triton
@@ -79,7 +79,7 @@ def mla_prefill(
         device=q.device.type,
         need_lse=need_lse,
     )
-    name = select_backend(request, backend).name
+    name = select(request, backend)
     if name == "triton":
         from .prefill import mla_prefill_triton as fn
     elif name == "sdpa":

@@ -17,40 +17,42 @@ call (same outputs, same combine kernel).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kimi_helix.kernels.device import capability, num_sms
+from kimi_helix.kernels.backends import FLOATS, KernelCaps
+from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
-from kimi_helix.kernels.mla.decode_schedule import D_SPLITS, MIN_WAVES, SCHEDULES, Schedule, _num_kv_splits, _tiles
+from kimi_helix.kernels.mla.decode_schedule import (
+    D_SPLITS,
+    MIN_WAVES,
+    SCHEDULES,
+    Schedule,
+    choose_num_kv_splits,
+    choose_tiles,
+)
 
 try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or newer Tritons may lack them
     from kimi_helix.kernels.mla import decode_wgmma
 except ImportError:
     decode_wgmma = None
 
-__all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "SUPPORTED", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
+__all__ = ["D_SPLITS", "MIN_WAVES", "CAPS", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-# What mla_decode_triton accepts; it raises ValueError for anything else (kept honest by the tests).
-SUPPORTED = {
-    "devices": ("cuda", "cpu under TRITON_INTERPRET=1"),
-    "q_dtypes": _FLOATS,
-    # fp8 and a cache of q's dtype compute in q's dtype; any other float pairing computes in fp32 (slow, exact).
-    "kv_dtypes": (*_FLOATS, FP8),
-    "num_heads": "any >= 1",
-    "kv_lora_rank": tuple(2**i for i in range(4, 10)),  # 16 .. 512
-    "rope_dim": (0, 16, 32, 64, 128),
-    "page_size": "any >= 1",
-    "s_q": "any >= 0 per sequence",
-}
+# What mla_decode_triton accepts (decode and verify), read by the backend switch; it raises ValueError for anything
+# else. Any head count, page size and per-sequence s_q >= 0. fp8 and a cache of q's dtype compute in q's dtype; any
+# other float pairing computes in fp32 (slow, exact).
+CAPS = KernelCaps(triton_devices(), FLOATS, FLOATS | {"fp8_e4m3"}, dim_rule="mla_latent")
+_KV_DTYPES = (*_FLOATS, FP8)
+_KV_LORA_RANKS = tuple(2**i for i in range(4, 10))  # 16 .. 512, the "mla_latent" rule of CAPS
+_ROPE_DIMS = (0, 16, 32, 64, 128)
 
 
 @triton.jit
@@ -268,6 +270,7 @@ def mla_decode_fwd_kernel(
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
+    # Rows, bounds and split range: twin of `decode_wgmma`'s kernel (same contract); a fix here goes there too.
     kv_len = tl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = tl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
@@ -362,10 +365,10 @@ def mla_decode_combine_kernel(
 
 
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
-# launch spends more host time (two descriptors encoded per call; run 14 on the H200's host: 40-150 us more than a
-# gathered launch) while saving little GPU time on small launches (CUDA-graph replays, run 14: at most 25 us below
-# 2^24, up to 29% of the GPU time above it, one case 2% slower). Without CUDA graphs a small launch is bound by
-# the host, so below this size the gathered kernel finishes first.
+# launch spends more host time (two descriptors encoded per call: 40-150 us more than a gathered launch on the
+# H200's host) while saving little GPU time on small launches (at most 25 us below 2^24 in CUDA-graph replays, up to
+# 29% of the GPU time above it). Without CUDA graphs a small launch is bound by the host, so below this size the
+# gathered kernel finishes first.
 TMA_MIN_WORK = 1 << 24
 
 
@@ -376,7 +379,7 @@ def _tma_ok(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_split: in
     if kv_cache.device.type == "cuda":
         if capability(kv_cache.device.index)[0] < 9:
             return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    elif not interpreting():
         return False
     elem = kv_cache.element_size()
     return (
@@ -406,8 +409,8 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
 _WGMMA_SMEM = 227 * 1024 - 2048
 
 # The wgmma kernel takes sequences longest first (`decode_wgmma._longest_first`) where each program carries a whole
-# sequence's keys (no split-KV) and the programs fill more than one wave: H200 run 20, H=32 s_q=4 at b=128 (two
-# waves, lengths +-25%) 10% faster. Each program ranks all N sequences (O(N^2) work), so only up to this many; with
+# sequence's keys (no split-KV) and the programs fill more than one wave: 10% faster on an H200 at H=32 s_q=4, b=128
+# (two waves, lengths +-25%). Each program ranks all N sequences (O(N^2) work), so only up to this many; with
 # split-KV it measured from 10% slower to 2% faster, so split launches keep the sequences' order.
 LONGEST_FIRST_MAX_SEQS = 255
 
@@ -447,7 +450,7 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"q is on {q.device}: the Triton MLA decode kernel needs CUDA (or TRITON_INTERPRET=1)")
     if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(-1) != 1:
         raise ValueError(
@@ -458,13 +461,13 @@ def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_ran
         raise ValueError("q must have at least one head")
     if kv_cache.dim() != 3 or kv_cache.shape[2] != D or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be contiguous [P, page_size, D={D}], got {list(kv_cache.shape)}")
-    if kv_cache.dtype not in SUPPORTED["kv_dtypes"]:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {SUPPORTED['kv_dtypes']}")
+    if kv_cache.dtype not in _KV_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {_KV_DTYPES}")
     rope = D - kv_lora_rank
-    if kv_lora_rank not in SUPPORTED["kv_lora_rank"] or rope not in SUPPORTED["rope_dim"]:
+    if kv_lora_rank not in _KV_LORA_RANKS or rope not in _ROPE_DIMS:
         raise ValueError(
             f"kv_lora_rank={kv_lora_rank} and rope_dim=D-kv_lora_rank={rope} must lie in "
-            f"{SUPPORTED['kv_lora_rank']} and {SUPPORTED['rope_dim']} (power-of-two tiles)"
+            f"{_KV_LORA_RANKS} and {_ROPE_DIMS} (power-of-two tiles)"
         )
     N = block_table.shape[0] if block_table.dim() == 2 else -1
     if N < 0 or block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
@@ -517,7 +520,7 @@ def mla_decode_triton(
 
     Returns:
         out [T, H, kv_lora_rank] in q.dtype and lse [T, H] fp32 (natural log). A query that sees no key gets exact
-        zeros and lse -inf. Raises ValueError for inputs outside `SUPPORTED`.
+        zeros and lse -inf. Raises ValueError for inputs outside `CAPS`.
     """
     _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale)
     if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
@@ -529,7 +532,7 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
-    cfg, sched = _tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
+    cfg, sched = choose_tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
     max_kv = block_table.shape[1] * page_size
     tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])
     use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(*tile)
@@ -537,7 +540,7 @@ def mla_decode_triton(
     kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma and not use_wgmma else (None, None)
     num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
-    splits = num_kv_splits or _num_kv_splits(
+    splits = num_kv_splits or choose_num_kv_splits(
         slots * num_head_blocks, max_kv, cfg["BLOCK_N"], num_sms(q.device.index),
         sched.min_waves, sched.min_split_tiles,
     )  # fmt: skip

@@ -42,35 +42,15 @@ class Schedule(NamedTuple):
     wgmma: bool = False
 
 
-# By (KV element bytes, tile rows) for 16-bit compute, the best of scripts/tune_mla_decode.py on an H200 (bf16,
-# D=576, b=128, mean s_k=8192, commit a6cf40c): rows=16 (H=16) 0.43 ms, rows=32 (H=32) 0.54 ms, where lazy
-# rescaling pays; rows=64 (H=128) 1.36 ms, where it costs 25%. The fp8 entries from the same sweep at e835326:
-# rows=16 0.79 ms with BLOCK_N=64 (1.10 ms with 128), rows=64 2.09 ms; rows=32 was not swept and follows rows=16.
-# BLOCK_N=256 (or 128 at 64 rows) overflows shared memory. Run 11 (commit b1c6eed) also swept one-stage schedules
-# and 32-key tiles for 16 and 32 rows (all slower) and confirmed these. Splitting the 32-row class for 8 programs
-# an SM instead of 4 (commit b3f3b3e, the whole bench_mla.py grid) gained 4-18% at b=128 and at b=32 with 32k keys
-# but lost 5-20% at b=32 with 4k-8k keys, where a split kept only about 4 tiles. Keeping at least 8 tiles a split
-# as well (run 11, timed in one call against 4 programs an SM and 4 tiles, 8 cases): b=128 12% faster to 1% slower,
-# b=32 7-9% faster at 4k keys and 2-3% slower at 8k; at 32k keys the split counts are those of the b3f3b3e grid.
-# TMA tiles (run 13, `tune_mla_decode.py --tma` at b53ddaa, every candidate beside the gathered schedules) win
-# where the tile is compute-heavy or converted from fp8: rows=64 1.13 ms against 1.37 (H=128; H=16 at s_q=4 0.64
-# against 0.73), fp8 rows=64 1.66 against 2.03 and fp8 rows=16 0.74 against 0.86; gathered 128-key tiles stay
-# ahead at bf16 rows=16 (0.43 ms against 0.48) and rows=32 (0.54 against 0.61). fp8 rows=32 follows rows=16 (not
-# swept). A cache whose pages are not a multiple of 64 keys runs these schedules with gathered tiles.
+# By (KV element bytes, tile rows), the best of scripts/tune_mla_decode.py on an H200 (D=576, b=128, mean
+# s_k=8192); docs/benchmark-history.md has what the alternatives gave. Lazy rescaling (rescale_slack) pays at 16 and
+# 32 rows and costs at 64. Latent column groups (d_split) pay at 16 and 32 rows in bf16. TMA tiles win where the
+# tile is compute-heavy or converted from fp8; gathered tiles stay ahead at bf16 16 and 32 rows. At 64 rows on
+# sm_90 the Gluon warpgroup-MMA kernel (`decode_wgmma`, 64-key tiles in 2 buffers, 2 programs an SM) serves; where
+# it cannot (other GPUs, launches below TMA_MIN_WORK) the Triton kernel runs the same schedule. BLOCK_N=256 (or 128
+# at 64 rows) overflows shared memory. fp8 at 32 rows was not swept and follows 16 rows. A cache whose pages are
+# not a multiple of 64 keys runs these schedules with gathered tiles.
 SCHEDULES = {
-    # Run 17 (H200, b=128, s_k=8192, bf16; benchmarks/results/mla_decode.jsonl): 4 latent column groups
-    # (d_split) with 4 warps. 16 rows (H=16): 64-key tiles, 0.377 ms (3.21 TB/s) against 0.433 at Schedule(128,
-    # 8, 2, 0.0); in a standalone experiment kernel 128-key tiles with 4 groups took 0.373 ms and 1 group 0.384.
-    # 32 rows (H=32): 0.459 ms against 0.541 with 1 group (tune_mla_decode.py, 9 candidates: 64 or 128 keys,
-    # slack 0 or 8, 1/2/4 groups). 64 rows with TMA (H=128): the fastest of 6 candidates (32 or 64 keys, 1/2/4
-    # groups) keeps 1 group (1.122 ms). Run 18: the Gluon warpgroup-MMA kernel (`decode_wgmma`) at 64 rows on sm_90,
-    # 64-key tiles in 2 buffers (32-key tiles in 3 or 4 buffers took 1.11-1.14 ms at H=128). Its warp-specialised
-    # form (a scores warpgroup, an output warpgroup, a loader warp; call 6), 2 programs an SM (4 took 1-4% longer):
-    # H=128 0.657 ms, H=32 s_q=4 0.662, H=16 s_q=4 0.402, H=64 0.402; run 20's kernel (`56049b1`): 0.641, 0.572
-    # (one split: sequences longest first), 0.404, 0.402 (bench_mla.py --quick and A/B). num_warps does not apply to
-    # it (4 + 4 + 1).
-    # Where it cannot serve a call (other GPUs, launches below TMA_MIN_WORK) the Triton kernel runs this schedule,
-    # split target included (8 before run 18; not timed again at 2).
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
     (2, 64): Schedule(64, 8, 2, 0.0, min_waves=2, tma=True, wgmma=True),
@@ -81,7 +61,7 @@ SCHEDULES = {
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
 
 
-def _num_kv_splits(
+def choose_num_kv_splits(
     work: int, max_kv: int, block_n: int, num_sms: int, min_waves: float | None = None, min_split_tiles: int = 4
 ) -> int:
     """Splits per sequence so that `work` programs x splits fill the SMs.
@@ -101,7 +81,7 @@ def _num_kv_splits(
     return next(s for s, e in eff.items() if e >= 0.85 * best)
 
 
-def _tiles(
+def choose_tiles(
     num_heads: int, num_tokens: int, num_seqs: int, compute_dtype: torch.dtype, kv_bytes: int, kv_lora_rank: int
 ):
     """(Kernel launch parameters, the tile class's Schedule) from shapes alone (no device reads).

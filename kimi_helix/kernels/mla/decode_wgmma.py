@@ -11,13 +11,13 @@ lets this kernel split the work by role instead. Three partitions share each til
   (one A read of q per 64 keys instead of two), its softmax, and P @ c for the first half of the output columns;
 - the output warpgroup computes P @ c for the second half, from P and the rescale factors the scores warpgroup
   leaves in shared memory, once the next tile's scores are done: so its MMAs run beside the next softmax.
-Run 18 (H200, b=128, s_k=8192, bf16): H=128 1.12 ms (Triton) -> 0.79 (two warpgroups splitting every tile's keys
-and columns alike) -> 0.66 (this split). Run 20: H=32 s_q=4 0.66 -> 0.57 (H=128 0.65 -> 0.64), from the deferred
-second half, the part-by-part refills, a cheaper softmax and, without split-KV, sequences taken longest first.
+This split beats both the Triton kernel and two warpgroups that split every tile's keys and columns alike; the
+deferred second half, the part-by-part refills, a cheaper softmax and (without split-KV) sequences taken longest
+first each gained on top (docs/benchmarks.md has the current times, docs/benchmark-history.md the steps).
 
 Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by `decode.mla_decode_combine_kernel`)
 for 16-bit q with a cache of the same dtype whose pages TMA can copy; `decode._wgmma_ok` says when it serves a call.
-Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/test_mla_decode.py::test_gpu_wgmma_kernel` checks
+Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/mla/test_gpu.py::test_gpu_wgmma_kernel` checks
 this one against the torch reference on the GPU, and a CPU test compiles it for sm_90.
 """
 
@@ -160,7 +160,7 @@ def _scores_partition(qlo_smem, qhi_smem, qpe_smem, clo_smem, chi_smem, pe_smem,
         # This half of P @ c, then tile i + 1's scores behind it; tile i's first half of c is released once that
         # is done (the output warpgroup releases the second half), tile i + 1's rope once its scores are. Only
         # then may the output warpgroup start on tile i: its MMAs run beside tile i + 1's softmax instead of
-        # beside these (run 20: sharing the tensor cores with them left them idle through every softmax).
+        # beside these (sharing the tensor cores with them left them idle through every softmax).
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         o = warpgroup_mma(p_smem, clo_smem.index(stage).reshape([BLOCK_N, DH]), acc, is_async=True)
         if i + 1 < num_tiles:
@@ -246,8 +246,8 @@ def _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q:
     """(sequence, first query token) of the slot-th BLOCK_Q-token slot when sequences are taken longest first (by
     cache length, ties by index; each with cdiv(s_q, BLOCK_Q) slots), or (-1, 0) past the last slot. With two or
     so waves of programs, each carrying a whole sequence's keys, the SMs that drew the shortest sequences first then
-    take the longest left, instead of the last wave's long sequences running alone (run 20, H=32 s_q=4: 22% of
-    SM cycles idle in sequence order, 5% longest first). Every program ranks all sequences: O(num_seqs^2) work,
+    take the longest left, instead of the last wave's long sequences running alone (ncu at H=32 s_q=4: 22% of SM
+    cycles idle in sequence order, 5% longest first). Every program ranks all sequences: O(num_seqs^2) work,
     in chunks of 32 rows."""
     pair: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
     CHUNK: gl.constexpr = 32 if SEQS_POW2 > 32 else SEQS_POW2
@@ -333,6 +333,7 @@ def mla_decode_wgmma_kernel(
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
+    # Rows, bounds and split range: twin of `decode`'s Triton kernel (same contract); a fix here goes there too.
     kv_len = gl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)

@@ -11,24 +11,19 @@ slabs whose dots are summed, rather than padded to 256 (which would waste a quar
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SUPPORTED", "mla_prefill_triton"]
+from kimi_helix.kernels.backends import FLOATS, KernelCaps
+from kimi_helix.kernels.device import interpreting, triton_devices
 
-# What this kernel serves, as `backends.KernelCaps` fields (the registry adds the devices: cuda, plus cpu under
-# TRITON_INTERPRET=1). "pow2_pair": Dqk and Dv are each a power of two >= 16 or a sum of two such.
-SUPPORTED = {
-    "q_dtypes": frozenset({"fp32", "fp16", "bf16"}),
-    "kv_dtypes": frozenset({"fp32", "fp16", "bf16"}),
-    "dim_rule": "pow2_pair",
-    "returns_lse": True,
-    "kv_bounds": False,
-    "paged": False,
-}
+__all__ = ["CAPS", "mla_prefill_triton", "tile_config"]
+
+# What this kernel serves, read by the backend switch. "pow2_pair": Dqk and Dv are each a power of two >= 16 or a
+# sum of two such.
+CAPS = KernelCaps(triton_devices(), FLOATS, FLOATS, dim_rule="pow2_pair", kv_bounds=False)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.0 / math.log(2.0)
@@ -168,20 +163,16 @@ def _split_pow2(name: str, d: int) -> tuple[int, int]:
     raise ValueError(f"{name}={d} must be a power of two >= 16 or a sum of two such (e.g. 192 = 128 + 64)")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 # GPU tile configs (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first; the first whose shared memory fits
 # is used. The estimate (q tile + num_stages K/V tiles) matches what Triton 3.6 allocates on Hopper.
 _GPU_CONFIGS = ((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 8, 1), (32, 16, 4, 1))
 _SMEM_BYTES = 200 * 1024  # Hopper allows 227 KB per block; leave room for layout-conversion scratch
 
 
-def _config(dtype: torch.dtype, dqk: int, dv: int) -> tuple[int, int, int, int]:
+def tile_config(dtype: torch.dtype, dqk: int, dv: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles under the CPU interpreter keep tests fast while
     still covering several query and key blocks per sequence (BLOCK_M > BLOCK_N, as on the GPU)."""
-    if _interpreting():
+    if interpreting():
         return 32, 16, 4, 1
     for block_m, block_n, num_warps, num_stages in _GPU_CONFIGS:
         if dtype.itemsize * (block_m * dqk + num_stages * block_n * (dqk + dv)) <= _SMEM_BYTES:
@@ -225,7 +216,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple[tuple[int, int], tup
             raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
     H, dqk = q.shape[1], q.shape[2]
     if tuple(k.shape[1:]) != (H, dqk):
@@ -327,4 +318,4 @@ def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         raise ValueError(f"scale must be positive, got {scale}")
     # The kernel assumes unit stride along the head dim (vector loads); token/head strides are free.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, _config(q.dtype, q.shape[2], v.shape[2]))
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, tile_config(q.dtype, q.shape[2], v.shape[2]))

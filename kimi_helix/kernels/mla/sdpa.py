@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kimi_helix.kernels.backends import ANY_DEVICE, FLOATS, KernelCaps
+
+# What mla_prefill_sdpa serves, read by the backend switch: SDPA returns no LSE, so Helix cannot merge its output.
+CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS, returns_lse=False, kv_bounds=False)
+
 
 def mla_prefill_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
     """Same contract as `mla_prefill_ref` (q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv], packed by cu_seqlens;

@@ -8,7 +8,7 @@ from kimi_helix.kernels.moe.naive import fused_experts_ref, moe_router_ref
 
 def fused_experts(x, gate_up_proj, down_proj, weights, ids, *, backend=None):
     """Routed experts: x [T, d], gate_up_proj [E, 2I, d], down_proj [E, d, I], weights/ids [T, k] -> [T, d]."""
-    if op_backend("moe_experts", x, forced=backend) == "triton":
+    if op_backend("fused_experts", x, forced=backend) == "triton":
         from kimi_helix.kernels.moe.triton import fused_experts_triton
 
         return fused_experts_triton(x, gate_up_proj, down_proj, weights, ids)

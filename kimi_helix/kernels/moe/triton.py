@@ -18,16 +18,20 @@ give every weight tile its own program, read once. Prefill uses 64/128-row tenso
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["MoeConfig", "default_config", "fused_experts_triton"]
+__all__ = ["CAPS", "MoeConfig", "default_config", "fused_experts_triton"]
+
+# What the kernels serve, read by the backend switch.
+CAPS = OpCaps(triton_devices(), FLOATS)
 
 # pairs per program of the align kernel (its rank step is quadratic in this), and per histogram step
 ALIGN_BLOCK, HIST_BLOCK = 128, 1024
@@ -148,6 +152,7 @@ def _block_rows(
     return expert.to(tl.int64), rows, pairs, valid
 
 
+# Twin of `moe_down_kernel` (the second GEMM): the same block skip and row gather open both; fix them together.
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr,
@@ -214,6 +219,7 @@ def moe_gate_up_kernel(
     tl.store(inter_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < inter_size))
 
 
+# Twin of `moe_gate_up_kernel` (the first GEMM): see there.
 @triton.jit
 def moe_down_kernel(
     inter_ptr,
@@ -320,7 +326,7 @@ def fused_experts_triton(
         [T, d] in x.dtype (`out` when given).
     """
     T, d, E, I, top_k = _check_inputs(x, gate_up_proj, down_proj, weights, ids)
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"x is on {x.device}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)")
     if out is None:
         out = torch.empty_like(x)

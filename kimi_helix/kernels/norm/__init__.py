@@ -8,7 +8,7 @@ from kimi_helix.kernels.norm.naive import gated_rms_norm_ref
 
 def gated_rms_norm(x, gate, weight, eps, *, backend=None):
     """`rmsnorm(x) * weight * sigmoid(gate)` over x, gate [..., D]; see `gated_rms_norm_ref`."""
-    if op_backend("gated_norm", x, forced=backend) == "triton":
+    if op_backend("gated_rms_norm", x, forced=backend) == "triton":
         from kimi_helix.kernels.norm.triton import gated_rms_norm_triton
 
         return gated_rms_norm_triton(x, gate, weight, eps)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import next_pow2
 
-__all__ = ["gated_rms_norm_triton"]
+__all__ = ["CAPS", "gated_rms_norm_triton"]
+
+# What the kernel serves, read by the backend switch.
+CAPS = OpCaps(triton_devices(), FLOATS)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,7 +59,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     for name, t in (("gate", gate), ("weight", weight)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"x is on {x.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
     x2, g2 = _rows(x, D), _rows(gate, D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)

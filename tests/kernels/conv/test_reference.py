@@ -1,4 +1,4 @@
-"""Pure-torch short causal conv reference: F.conv1d equivalence, state handling, varlen, decode, validation."""
+"""CONV: the torch references against independent oracles (dense softmax, transformers, loops)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
 
-from .conftest import assert_rel_close
+from ..conftest import assert_rel_close
 
 # The decorated HF functions dispatch to causal-conv1d when installed; unwrap to always compare to their torch code.
 hf_conv_fn = inspect.unwrap(hf.causal_conv1d_fn)
+
+
 hf_conv_update = inspect.unwrap(hf.causal_conv1d_update)
+
 
 D, W = 12, 4
 
 
-def rnd(*shape, seed=0):
+def rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
@@ -38,7 +41,7 @@ def conv_oracle(x, weight, state=None, activation="silu"):
 @pytest.mark.parametrize("T", [1, 2, 7])
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_matches_padded_conv(T, activation):
-    x, w = rnd(2, T, D, seed=T), rnd(D, W, seed=100)
+    x, w = rand(2, T, D, seed=T), rand(D, W, seed=100)
     y, s = causal_conv1d(x, w, activation=activation)
     assert s is None and y.dtype == x.dtype
     padded = F.pad(x.transpose(1, 2), (W - 1, 0))
@@ -52,7 +55,7 @@ def test_matches_padded_conv(T, activation):
 
 @pytest.mark.parametrize("T", [1, 2, 9])
 def test_initial_state(T):
-    x, w, s0 = rnd(3, T, D, seed=1), rnd(D, W, seed=2), rnd(3, W - 1, D, seed=3)
+    x, w, s0 = rand(3, T, D, seed=1), rand(D, W, seed=2), rand(3, W - 1, D, seed=3)
     y, s = causal_conv1d(x, w, initial_state=s0, output_final_state=True)
     assert_rel_close("y", y, conv_oracle(x, w, s0), 1e-6)
     expected_state = torch.cat([s0, x], dim=1)[:, -(W - 1) :]  # short sequences keep the tail of s0
@@ -60,7 +63,7 @@ def test_initial_state(T):
 
 
 def test_final_state_short_sequence_without_state():
-    x, w = rnd(2, 1, D, seed=4), rnd(D, W, seed=5)
+    x, w = rand(2, 1, D, seed=4), rand(D, W, seed=5)
     _, s = causal_conv1d(x, w, output_final_state=True)
     assert torch.equal(s[:, : W - 2], torch.zeros(2, W - 2, D))
     assert torch.equal(s[:, -1], x[:, 0])
@@ -68,8 +71,8 @@ def test_final_state_short_sequence_without_state():
 
 def test_varlen_equals_separate():
     lens = [1, 6, 2, 0, 5]
-    x, w = rnd(1, sum(lens), D, seed=6), rnd(D, W, seed=7)
-    s0 = rnd(len(lens), W - 1, D, seed=8)
+    x, w = rand(1, sum(lens), D, seed=6), rand(D, W, seed=7)
+    s0 = rand(len(lens), W - 1, D, seed=8)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     for init in (None, s0):
         y, s = causal_conv1d(x, w, initial_state=init, output_final_state=True, cu_seqlens=cu)
@@ -86,7 +89,7 @@ def test_varlen_equals_separate():
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_prefill_then_update(activation):
     T, P = 10, 4
-    x, w, s0 = rnd(2, T, D, seed=9), rnd(D, W, seed=10), rnd(2, W - 1, D, seed=11)
+    x, w, s0 = rand(2, T, D, seed=9), rand(D, W, seed=10), rand(2, W - 1, D, seed=11)
     y_full, s_full = causal_conv1d(x, w, initial_state=s0, output_final_state=True, activation=activation)
     y_pre, state = causal_conv1d(x[:, :P], w, initial_state=s0, output_final_state=True, activation=activation)
     ys = [y_pre]
@@ -102,7 +105,7 @@ def test_prefill_then_update(activation):
 
 def test_update_matches_transformers():
     # transformers caches the last W inputs as [N, D, W]; only the newest W - 1 matter for the next output
-    x, w, hf_state = rnd(3, D, seed=12), rnd(D, W, seed=13), rnd(3, D, W, seed=14)
+    x, w, hf_state = rand(3, D, seed=12), rand(D, W, seed=13), rand(3, D, W, seed=14)
     state = hf_state[:, :, 1:].transpose(1, 2).contiguous()
     y = causal_conv1d_update(x, state, w)
     hf_y = hf_conv_update(x.unsqueeze(-1), hf_state, w, activation="silu").squeeze(-1)
@@ -111,7 +114,7 @@ def test_update_matches_transformers():
 
 
 def test_low_precision_dtype():
-    x, w, s0 = rnd(2, 5, D, seed=15).bfloat16(), rnd(D, W, seed=16), rnd(2, W - 1, D, seed=17).bfloat16()
+    x, w, s0 = rand(2, 5, D, seed=15).bfloat16(), rand(D, W, seed=16), rand(2, W - 1, D, seed=17).bfloat16()
     y, s = causal_conv1d(x, w, initial_state=s0, output_final_state=True)
     assert y.dtype == s.dtype == torch.bfloat16
     assert_rel_close("y bf16", y, conv_oracle(x.float(), w, s0.float()), 1e-2)
@@ -121,14 +124,14 @@ def test_low_precision_dtype():
 
 
 def test_width_one():
-    x, w = rnd(1, 3, D, seed=18), rnd(D, 1, seed=19)
+    x, w = rand(1, 3, D, seed=18), rand(D, 1, seed=19)
     y, s = causal_conv1d(x, w, output_final_state=True, cu_seqlens=torch.tensor([0, 1, 3]))
     assert s.shape == (2, 0, D)
     assert_rel_close("y", y, F.silu(x * w[:, 0]), 1e-6)
 
 
 def test_bad_inputs_raise():
-    x, w, s0 = rnd(2, 5, D), rnd(D, W), rnd(2, W - 1, D)
+    x, w, s0 = rand(2, 5, D), rand(D, W), rand(2, W - 1, D)
     with pytest.raises(ValueError, match="weight"):
         causal_conv1d(x, w.T)
     with pytest.raises(ValueError, match="weight"):
@@ -153,16 +156,16 @@ def test_bad_inputs_raise():
 
 def test_state_pool_by_slot_index():
     """With state_indices the references read and update a conv-state pool in place, as the Triton kernels do."""
-    x, weight = rnd(1, 9, D, seed=21), rnd(D, W, seed=22)
+    x, weight = rand(1, 9, D, seed=21), rand(D, W, seed=22)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    pool, slots = rnd(5, W - 1, D, seed=23), torch.tensor([3, 1])
+    pool, slots = rand(5, W - 1, D, seed=23), torch.tensor([3, 1])
     before = pool.clone()
     y_ref, final_ref = causal_conv1d(x, weight, pool[slots].clone(), True, cu)
     y, returned = causal_conv1d(x, weight, pool, True, cu, state_indices=slots)
     assert returned is pool and torch.equal(y, y_ref) and torch.equal(pool[slots], final_ref)
     assert torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])
 
-    step = rnd(2, D, seed=24)
+    step = rand(2, D, seed=24)
     expected_state = pool[slots].clone()
     y_ref = causal_conv1d_update(step, expected_state, weight)
     assert torch.equal(causal_conv1d_update(step, pool, weight, state_indices=slots), y_ref)

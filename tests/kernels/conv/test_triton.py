@@ -1,9 +1,6 @@
-"""Triton short causal conv against the torch reference: prefill (batch and varlen, with and without caches), the
-state pool read and written in place, the one-token update, and prefill followed by decode."""
+"""CONV: the Triton kernels against the torch references, on the CPU interpreter or a GPU."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
@@ -11,13 +8,13 @@ import torch
 from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
 from kimi_helix.kernels.conv.triton import causal_conv1d_triton, causal_conv1d_update_triton
 
-from .conftest import DEVICE, TOL, assert_rel_close, cu_seqlens, rnd
-
-D, W = 40, 4  # D spans two masked channel blocks under the interpreter
-LENS = [3, 1, 9, 0, 2, 20]  # shorter than W - 1, empty, and longer than a token block
-cu = functools.partial(cu_seqlens, dtype=torch.int64)
+from ..conftest import DEVICE, TOL, assert_rel_close, rnd
+from .conftest import D, W, cu
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
+
+
+LENS = [3, 1, 9, 0, 2, 20]  # shorter than W - 1, empty, and longer than a token block
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -136,29 +133,3 @@ def test_bad_arguments_raise():
         causal_conv1d_update_triton(x[:, 0], rnd(4, W - 1, D, seed=0), w, state_indices=torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="conv_state"):
         causal_conv1d_update_triton(x[:, 0], rnd(3, W - 1, D, seed=0), w)
-
-
-# ------------------------------------------------------------------------------------- GPU, bf16, real shapes
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_real_shapes():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    Dr, slots = 3 * 4096, 64  # q, k and v of Kimi-Linear stacked, as the model runs them
-    lens = [1, 2, 3, 17, 300, 1000]
-    idx = torch.randperm(slots, device=DEVICE)[: len(lens)]
-    x, w = rnd(1, sum(lens), Dr, seed=23, dtype=torch.bfloat16), rnd(Dr, W, seed=24, dtype=torch.bfloat16)
-    pool = rnd(slots, W - 1, Dr, seed=25, dtype=torch.bfloat16)
-    before = pool.clone()
-    y, _ = causal_conv1d_triton(
-        x, w, initial_state=pool, output_final_state=True, cu_seqlens=cu(lens), state_indices=idx
-    )
-    y_ref, s_ref = causal_conv1d(x, w, initial_state=before[idx], output_final_state=True, cu_seqlens=cu(lens))
-    assert_rel_close("prefill y", y, y_ref, TOL[torch.bfloat16])
-    assert torch.equal(pool[idx], s_ref)
-    x1 = rnd(len(lens), Dr, seed=26, dtype=torch.bfloat16)
-    dense = pool[idx].clone()
-    y1 = causal_conv1d_update_triton(x1, pool, w, state_indices=idx)
-    assert_rel_close("update y", y1, causal_conv1d_update(x1, dense, w), TOL[torch.bfloat16])
-    assert torch.equal(pool[idx], dense)

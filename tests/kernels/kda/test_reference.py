@@ -1,4 +1,4 @@
-"""Pure-torch KDA references: chunked == recurrent, == the transformers torch path, varlen, decode, gate."""
+"""KDA: the torch references against independent oracles (dense softmax, transformers, loops)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from kimi_helix.kernels.kda import kda_gate, l2norm, naive_chunk_kda, naive_recurrent_kda
 
-from .conftest import assert_rel_close, kda_prefill_then_decode
+from ..conftest import assert_rel_close, kda_prefill_then_decode
 
 # The decorated HF functions dispatch to fla when it is installed; unwrap to always compare against their torch code.
 hf_recurrent = inspect.unwrap(hf.recurrent_kimi_delta_attention)
+
+
 hf_chunk = inspect.unwrap(hf.chunk_kimi_delta_attention)
+
 
 H, K, V = 2, 16, 8  # K != V so a transposed state cannot pass
 
 
-def make_inputs(B, T, seed=0, dtype=torch.float32, normalize_k=False, state=False, n_states=None):
+def make_reference_inputs(B, T, seed=0, dtype=torch.float32, normalize_k=False, state=False, n_states=None):
     """Random KDA inputs with realistic gates (via kda_gate); k pre-normalised when the kernel will not do it."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -42,7 +45,7 @@ def make_inputs(B, T, seed=0, dtype=torch.float32, normalize_k=False, state=Fals
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("qk_l2norm", [False, True])
 def test_chunk_matches_recurrent(T, with_state, qk_l2norm):
-    q, k, v, g, beta, s0 = make_inputs(2, T, seed=T, normalize_k=not qk_l2norm, state=with_state)
+    q, k, v, g, beta, s0 = make_reference_inputs(2, T, seed=T, normalize_k=not qk_l2norm, state=with_state)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     o_c, s_c = naive_chunk_kda(q, k, v, g, beta, **kw)
@@ -52,7 +55,7 @@ def test_chunk_matches_recurrent(T, with_state, qk_l2norm):
 
 
 def test_custom_scale_and_small_chunks():
-    q, k, v, g, beta, s0 = make_inputs(1, 23, seed=3, state=True)
+    q, k, v, g, beta, s0 = make_reference_inputs(1, 23, seed=3, state=True)
     kw = dict(scale=0.37, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_r, s_r = naive_recurrent_kda(q, k, v, g, beta, **kw)
     o_c, s_c = naive_chunk_kda(q, k, v, g, beta, chunk_size=8, **kw)
@@ -66,7 +69,7 @@ def test_custom_scale_and_small_chunks():
 @pytest.mark.parametrize("with_state", [False, True])
 def test_varlen_equals_separate(fn, with_state):
     lens = [5, 70, 1]
-    q, k, v, g, beta, s0 = make_inputs(1, sum(lens), seed=11, state=with_state, n_states=len(lens))
+    q, k, v, g, beta, s0 = make_reference_inputs(1, sum(lens), seed=11, state=with_state, n_states=len(lens))
     cu = torch.tensor([0, 5, 75, 76], dtype=torch.int32)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, s = fn(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, **kw)
@@ -80,7 +83,7 @@ def test_varlen_equals_separate(fn, with_state):
 
 
 def test_varlen_empty_sequence_keeps_state():
-    q, k, v, g, beta, s0 = make_inputs(1, 9, seed=5, state=True, n_states=3)
+    q, k, v, g, beta, s0 = make_reference_inputs(1, 9, seed=5, state=True, n_states=3)
     cu = torch.tensor([0, 4, 4, 9], dtype=torch.int64)
     for fn in (naive_recurrent_kda, naive_chunk_kda):
         o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu)
@@ -90,7 +93,7 @@ def test_varlen_empty_sequence_keeps_state():
 
 @pytest.mark.parametrize("T", [1, 65, 130])
 def test_matches_transformers(T):
-    q, k, v, g, beta, s0 = make_inputs(2, T, seed=100 + T, state=True)
+    q, k, v, g, beta, s0 = make_reference_inputs(2, T, seed=100 + T, state=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_hr, s_hr = hf_recurrent(q, k, v, g, beta, **kw)
     o_hc, s_hc = hf_chunk(q, k, v, g, beta, **kw)
@@ -103,7 +106,7 @@ def test_matches_transformers(T):
 
 
 def test_fp16_inputs():
-    q, k, v, g, beta, s0 = make_inputs(2, 70, seed=7, dtype=torch.float16, state=True)
+    q, k, v, g, beta, s0 = make_reference_inputs(2, 70, seed=7, dtype=torch.float16, state=True)
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o_h, s_h = hf_recurrent(q, k, v, g, beta, **kw)
     o_c, s_c = naive_chunk_kda(q, k, v, g, beta, **kw)
@@ -118,7 +121,7 @@ def test_fp16_inputs():
 
 
 def test_strong_decay_stays_finite():
-    q, k, v, g, beta, s0 = make_inputs(1, 100, seed=9, state=True)
+    q, k, v, g, beta, s0 = make_reference_inputs(1, 100, seed=9, state=True)
     g = g.clone()
     g[:, ::3, :, : K // 2] = -300.0  # cumulative decay far below exp's fp32 range
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -130,7 +133,7 @@ def test_strong_decay_stays_finite():
 
 @pytest.mark.parametrize("T", [6, 70])
 def test_prefill_then_decode(T):
-    q, k, v, g, beta, s0 = make_inputs(2, T, seed=21, state=True)
+    q, k, v, g, beta, s0 = make_reference_inputs(2, T, seed=21, state=True)
     o, s, o_full, s_full = kda_prefill_then_decode(naive_recurrent_kda, q, k, v, g, beta, s0, prefill_len=T - 5)
     assert_rel_close("o", o, o_full, 1e-5)
     assert_rel_close("final_state", s, s_full, 1e-5)
@@ -140,12 +143,12 @@ def test_prefill_then_decode(T):
 def test_intermediate_states(varlen):
     kw = dict(use_qk_l2norm_in_kernel=True)
     if varlen:
-        q, k, v, g, beta, s0 = make_inputs(1, 10, seed=31, state=True, n_states=2)
+        q, k, v, g, beta, s0 = make_reference_inputs(1, 10, seed=31, state=True, n_states=2)
         cu = torch.tensor([0, 3, 10])
         # (state index, batch row, start, end, offset of the sequence in packed token order)
         seqs = [(0, 0, 0, 3, 0), (1, 0, 3, 10, 0)]
     else:
-        q, k, v, g, beta, s0 = make_inputs(2, 6, seed=32, state=True)
+        q, k, v, g, beta, s0 = make_reference_inputs(2, 6, seed=32, state=True)
         cu = None
         seqs = [(0, 0, 0, 6, 0), (1, 1, 0, 6, 6)]  # plain batch: packed token index is b * T + t
     o, states = naive_recurrent_kda(
@@ -216,7 +219,7 @@ def test_l2norm_matches_fla_style():
 
 
 def test_bad_shapes_raise():
-    q, k, v, g, beta, s0 = make_inputs(2, 4, seed=0, state=True)
+    q, k, v, g, beta, s0 = make_reference_inputs(2, 4, seed=0, state=True)
     for fn in (naive_recurrent_kda, naive_chunk_kda):
         with pytest.raises(ValueError, match="k must"):
             fn(q, k[..., :-1], v, g, beta)
@@ -241,7 +244,7 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("fn", [naive_recurrent_kda, naive_chunk_kda], ids=["recurrent", "chunk"])
 def test_state_pool_by_slot_index(fn):
     """With state_indices the references read and write a state pool in place, as the Triton kernels do."""
-    q, k, v, g, beta, _ = make_inputs(1, 9, seed=11)
+    q, k, v, g, beta, _ = make_reference_inputs(1, 9, seed=11)
     cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # three sequences, one of them empty
     gen = torch.Generator().manual_seed(12)
     pool = torch.randn(6, H, K, V, generator=gen)
@@ -281,7 +284,7 @@ def test_state_pool_by_slot_index(fn):
 @pytest.mark.parametrize("fn", [naive_recurrent_kda, naive_chunk_kda], ids=["recurrent", "chunk"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_gate_computed_from_raw_preactivation(fn, lower_bound):
-    q, k, v, _, beta, _ = make_inputs(2, 7, seed=13)
+    q, k, v, _, beta, _ = make_reference_inputs(2, 7, seed=13)
     gen = torch.Generator().manual_seed(14)
     f = torch.randn(2, 7, H, K, generator=gen)
     A_log = torch.empty(1, 1, H, 1).uniform_(-0.7, 0.7, generator=gen)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("ncu_profile", Path(__file__).parents[1] / "scripts" / "ncu_profile.py")
+_SPEC = importlib.util.spec_from_file_location("ncu_profile", Path(__file__).parents[2] / "scripts" / "ncu_profile.py")
 ncu = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(ncu)
 

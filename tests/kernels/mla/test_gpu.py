@@ -1,0 +1,165 @@
+"""MLA: the kernels at real shapes and dtypes on the GPU (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_helix.kernels.mla import decode
+from kimi_helix.kernels.mla.decode import mla_decode_triton
+from kimi_helix.kernels.mla.naive import mla_decode_ref, mla_prefill_ref
+from kimi_helix.kernels.mla.prefill import mla_prefill_triton, tile_config
+
+from ..conftest import DEVICE, TOL, assert_rel_close
+from .conftest import FP8, INTERPRET, assert_rel_close_inf, make_case, make_inputs, prefix_sweep
+
+
+def _gpu():
+    if not torch.cuda.is_available() or INTERPRET:
+        pytest.skip("needs CUDA with the Triton compiler (run with TRITON_INTERPRET unset)")
+    return "cuda"
+
+
+# ~8k new tokens over prefixes: long prompt, chunked-prefill continuations, short turns, ragged tails.
+GPU_PAIRS = [(3000, 3000), (2048, 4096), (1500, 1700), (777, 5000), (1, 1), (0, 300), (130, 130), (600, 900)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_real_shape_fp32_fp16_fit(nan_empty, dtype):
+    """fp32 and fp16 at the real latent width: their tiles must fit the GPU's shared memory too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args, _ = make_case([700, 1, 257], [2, 2, 2], 128, page_size=64, kv_lora=512, rope=64, dtype=dtype, seed=2)
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[dtype])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
+@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (16, 4), (32, 1), (96, 1), (96, 4), (128, 1), (128, 4)])
+def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)  # these launches are small: TMA by the schedule alone
+    for key, sched in decode.SCHEDULES.items():  # TMA tiles must lie inside the 64-key pages
+        monkeypatch.setitem(decode.SCHEDULES, key, sched._replace(block_n=min(sched.block_n, 64), tma=tma))
+    gen = torch.Generator().manual_seed(H + s_q)
+    lens = (torch.randint(3000, 5000, (6,), generator=gen)).tolist() + [1, s_q]
+    args, _ = make_case(lens, [s_q] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=kv, seed=H * s_q)  # fmt: skip
+    args["scale"] = 192**-0.5
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-3)
+    split_out, split_lse = mla_decode_triton(**args, num_kv_splits=7)
+    assert_rel_close_inf("split out", split_out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close_inf("split lse", split_lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "page_size", "H", "s_q", "bounds", "tiles"),
+    [
+        (torch.bfloat16, 64, 128, 1, False, None),
+        (torch.bfloat16, 64, 16, 4, True, None),
+        (torch.bfloat16, 128, 32, 2, True, None),
+        (torch.float16, 128, 64, 1, False, None),
+        (torch.bfloat16, 64, 96, 4, False, None),
+        (torch.bfloat16, 64, 128, 1, True, (32, 3)),
+        (torch.float16, 128, 16, 4, False, (32, 4)),
+    ],
+)
+def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, bounds, tiles):
+    """The Gluon warpgroup-MMA kernel (64 tile rows on sm_90) against the reference: partial first and last tiles
+    (sequences of 1 to 65 keys and past a page), per-token bounds including zeros, split-KV, one split with the
+    sequences taken longest first (two of equal length), a NaN-poisoned cache; the committed schedule, or (keys a
+    tile, buffers) = tiles."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)  # a small launch: the schedule alone picks the kernel
+    sched = decode.SCHEDULES[(2, 64)]._replace(wgmma=True)
+    if tiles is not None:
+        sched = sched._replace(block_n=tiles[0], num_stages=tiles[1])
+    monkeypatch.setitem(decode.SCHEDULES, (2, 64), sched)
+    chosen = []
+    wgmma_ok = decode._wgmma_ok
+    monkeypatch.setattr(decode, "_wgmma_ok", lambda *a: chosen.append(wgmma_ok(*a)) or chosen[-1])
+    lens = [max(s_q, n) for n in (1, 63, 64, 65, 130, 700, 3001, 64)]  # a tie: longest first keeps index order
+    args, _ = make_case(lens, [s_q] * len(lens), H, page_size=page_size, kv_lora=512, rope=64, dtype=dtype,
+                        seed=H + s_q)  # fmt: skip
+    args["scale"] = 192**-0.5
+    if bounds:
+        gen = torch.Generator().manual_seed(s_q)
+        limit = torch.tensor(lens).repeat_interleave(s_q) + 1
+        args["kv_bounds"] = (torch.rand(len(limit), generator=gen) * limit).int().to(DEVICE)
+        args["kv_bounds"][::5] = 0
+    want_out, want_lse = mla_decode_ref(**args)
+    orders = []
+    longest_first = decode._longest_first
+    monkeypatch.setattr(decode, "_longest_first", lambda *a: orders.append(longest_first(*a)) or orders[-1])
+    for splits in (None, 3, 1):
+        if splits == 1:  # one split, more programs than "SMs": the programs take sequences longest first
+            monkeypatch.setattr(decode, "num_sms", lambda *_: 1)
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out (splits {splits})", out, want_out.float(), TOL[dtype])
+        assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-3)
+    assert chosen == [True, True, True]
+    assert orders[1:] == [False, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_kimi_dims(dtype):
+    device = _gpu()
+    q, k, v, cu_q, cu_k = make_inputs(GPU_PAIRS, 32, 192, 128, dtype, device=device)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
+    assert out.dtype == dtype
+    assert_rel_close("out", out, r_out, TOL[dtype])
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(48, 16), (32, 48), (64, 64), (576, 512)])
+def test_gpu_other_dims(dims):
+    device = _gpu()
+    q, k, v, cu_q, cu_k = make_inputs([(70, 200), (129, 129), (0, 5), (1, 64)], 4, *dims, torch.bfloat16, device=device)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.1)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.1)
+    assert_rel_close("out", out, r_out, TOL[torch.bfloat16])
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq", [1, 37, 130])
+def test_gpu_every_prefix_remainder(tq):
+    """The compiled kernel's own key block at Kimi's dims (bf16: BLOCK_N 64), every cached prefix 0 .. 2 * BLOCK_N."""
+    device = _gpu()
+    block_n = tile_config(torch.bfloat16, 192, 128)[1]
+    q, k, v, cu_q, cu_k = make_inputs(prefix_sweep(block_n, tq), 4, 192, 128, torch.bfloat16, seed=tq, device=device)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
+    assert_rel_close("out", out, r_out, TOL[torch.bfloat16])
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_past_int32():
+    """k and v beyond 2^31 elements: the kernel's row offsets must be 64-bit."""
+    device = _gpu()
+    H, tk, tq = 128, 90_000, 64  # k has 90000 * 128 * 192 = 2.2e9 elements
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(tq, H, 192, generator=gen, device=device, dtype=torch.bfloat16)
+    k = torch.randn(tk, H, 192, generator=gen, device=device, dtype=torch.bfloat16)
+    v = torch.randn(tk, H, 128, generator=gen, device=device, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, tq], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, tk], dtype=torch.int32, device=device)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
+    assert_rel_close("out", out, r_out, TOL[torch.bfloat16])
+    assert_rel_close("lse", lse, r_lse, 1e-5)

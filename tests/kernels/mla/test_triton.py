@@ -1,0 +1,395 @@
+"""MLA: the Triton kernels against the torch references, on the CPU interpreter or a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kimi_helix.kernels.mla import decode
+from kimi_helix.kernels.mla.decode import mla_decode_triton
+from kimi_helix.kernels.mla.naive import mla_decode_ref, mla_prefill_ref
+from kimi_helix.kernels.mla.prefill import mla_prefill_triton, tile_config
+
+from ..conftest import DEVICE, TOL, assert_rel_close
+from .conftest import (
+    FP8,
+    INTERPRET,
+    KV_LORA,
+    PAIRS,
+    TRITON_DEVICE,
+    assert_rel_close_inf,
+    dense_decode_attention,
+    make_case,
+    make_inputs,
+    prefix_sweep,
+)
+
+
+@pytest.fixture
+def tma_calls(monkeypatch):
+    """The arguments of every `_tma_descriptors` call: one per launch that takes the TMA path."""
+    calls = []
+    monkeypatch.setattr(decode, "_tma_descriptors", lambda *a, f=decode._tma_descriptors: calls.append(a) or f(*a))
+    return calls
+
+
+@pytest.fixture
+def fwd_launches(monkeypatch):
+    """The keyword arguments (constexprs and launch settings) of every launch of the forward kernel."""
+    calls, kernel = [], decode.mla_decode_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(kw) or kernel[grid](*a, **kw)
+
+    monkeypatch.setattr(decode, "mla_decode_fwd_kernel", Spy())
+    return calls
+
+
+needs_triton = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 (CPU) or a GPU"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("H", "s_q"), [(1, 1), (3, 2), (16, 1), (16, 2), (16, 4)])
+def test_decode_triton_matches_reference(nan_empty, dtype, H, s_q):
+    lens = [1, 40, 17, 64 + s_q]  # 1 token; not a page multiple; exactly 4 pages + s_q
+    args, _ = make_case(lens, [s_q] * len(lens), H, dtype=dtype, seed=H * 10 + s_q)
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert out.dtype == dtype and out.shape == (len(lens) * s_q, H, KV_LORA) and lse.dtype == torch.float32
+    assert_rel_close_inf("out", out, want_out.float(), TOL[dtype])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-5)
+
+
+def test_ragged_queries_page_sizes_and_mixed_dtypes(nan_empty):
+    # s_q differs per sequence (one has no queries at all); 128-token pages hold several BLOCK_N tiles each.
+    args, dense = make_case([9, 300, 3, 130], [3, 1, 0, 2], H=5, page_size=128, dtype=torch.float16, seed=7)
+    args["kv_cache"] = args["kv_cache"].float()  # an fp32 cache under fp16 queries computes in fp32
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = dense_decode_attention(args, dense)
+    assert_rel_close_inf("out", out, want_out, TOL[torch.float16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache(nan_empty, dtype):
+    args, dense = make_case([23, 1, 50], [2, 2, 2], H=4, kv_dtype=FP8, dtype=dtype, seed=3)
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[dtype])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-5)
+    assert_rel_close_inf("ref vs dense", want_out.float(), dense_decode_attention(args, dense)[0], TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
+@pytest.mark.parametrize("slack", [0.0, 8.0])
+def test_rescale_schedules(nan_empty, monkeypatch, kv_dtype, slack):
+    # Sharp scores (q x 16) over 16-key tiles: row maxima grow on later tiles by more than fp16 can hold unrescaled
+    # (2^16), and by less than the slack on others.
+    for key in decode.SCHEDULES:
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, slack))
+    args, _ = make_case([200, 7, 96], [1, 2, 3], H=8, dtype=torch.float16, kv_dtype=kv_dtype, seed=11)
+    args["q"] = args["q"] * 16
+    out, lse = mla_decode_triton(**args, num_kv_splits=2)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.float16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tma_tiles(nan_empty, monkeypatch, tma_calls, kv_dtype, splits):
+    # 16-key tiles by TMA inside 32-key pages. A sequence's partial last tile is read as the window ending at its
+    # last key: the keys before it in the page, or zeros before the page's first row; never the poisoned rows past
+    # the sequence's end.
+    args, _ = make_case([200, 7, 96, 33], [1, 2, 3, 1], H=8, page_size=32, dtype=torch.float16, kv_dtype=kv_dtype,
+                        seed=13)  # fmt: skip
+    args["kv_bounds"] = torch.tensor([150, 0, 5, 40, 96, 96, 17], dtype=torch.int32, device=DEVICE)
+    want_out, want_lse = mla_decode_ref(**args)
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
+    for tma in (False, True):
+        for key in decode.SCHEDULES:
+            monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, 0.0, tma=tma))
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert len(tma_calls) == tma  # the descriptors are made (the TMA path taken) exactly when the schedule asks
+        assert_rel_close_inf(f"out tma={tma}", out, want_out.float(), TOL[torch.float16])
+        assert_rel_close_inf(f"lse tma={tma}", lse, want_lse, 1e-5)
+
+
+@pytest.mark.parametrize("min_work", [7 * 8 * 128, 7 * 8 * 128 + 1])
+def test_tma_only_for_large_launches(nan_empty, monkeypatch, tma_calls, min_work):
+    # T * H * max_kv = 7 * 8 * 128 here (block-table rows of 4 pages of 32 keys): a launch below TMA_MIN_WORK
+    # gathers its tiles even where the schedule asks for TMA, and gives the same result.
+    args, _ = make_case([80, 7, 96], [1, 2, 4], H=8, page_size=32, dtype=torch.float16, seed=17)
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", min_work)
+    for key in decode.SCHEDULES:
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, 0.0, tma=True))
+    out, lse = mla_decode_triton(**args)
+    assert len(tma_calls) == (min_work == 7 * 8 * 128)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.float16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-5)
+
+
+def test_tma_needs_tiles_inside_pages():
+    cache = torch.zeros(4, 64, 48, dtype=torch.float16)
+    assert decode._tma_ok(cache, 32, 64) == (os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda")
+    assert not decode._tma_ok(cache, 32, 128)  # a 128-key tile would span two pages
+    assert not decode._tma_ok(torch.zeros(4, 64, 44, dtype=torch.float16), 32, 64)  # 88-byte rows
+
+
+@pytest.mark.parametrize("d_split", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("kv_dtype", "slack", "tma", "splits"),
+    [(torch.float16, 0.0, False, None), (FP8, 8.0, False, 3), (torch.float16, 8.0, True, 1), (FP8, 0.0, True, 3)],
+)
+def test_latent_column_groups(nan_empty, monkeypatch, tma_calls, fwd_launches, d_split, kv_dtype, slack, tma, splits):
+    # kv_lora_rank 64 as 1, 2 or 4 groups of columns, each with its own dot and accumulator. Ragged s_q (one
+    # sequence with none; tiles of 2 tokens x 8 heads) with per-token bounds, some 0; 16-key tiles gathered or by
+    # TMA inside 32-key pages; sharp scores (q x 16) so that row maxima grow past the lazy-rescale slack.
+    args, _ = make_case([200, 7, 96, 33], [1, 3, 0, 2], H=8, page_size=32, kv_lora=64, dtype=torch.float16,
+                        kv_dtype=kv_dtype, seed=19 + d_split)  # fmt: skip
+    args["q"] = args["q"] * 16
+    bounds = torch.tensor([150, 0, 5, 7, 0, 33], dtype=torch.int32)
+    args["kv_bounds"] = bounds.to(DEVICE)
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
+    for key in decode.SCHEDULES:
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.Schedule(16, 4, 1, slack, tma=tma, d_split=d_split))
+    out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+    assert [launch["DSPLIT"] for launch in fwd_launches] == [d_split]
+    assert [call[3:] for call in tma_calls] == ([(d_split,)] if tma else [])  # descriptors one group wide
+    empty = (bounds == 0).to(DEVICE)
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out[~empty], want_out[~empty].float(), TOL[torch.float16])
+    assert_rel_close_inf("lse", lse[~empty], want_lse[~empty], 1e-5)
+
+
+@pytest.mark.parametrize(("kv_lora", "d_split"), [(16, 1), (32, 2), (512, 4)])
+def test_d_split_fits_the_latent(nan_empty, fwd_launches, kv_lora, d_split):
+    # The committed 16-row bf16 schedule asks for 4 groups; a narrower latent takes the most groups of >= 16 columns.
+    assert decode.SCHEDULES[(2, 16)].d_split == 4
+    cfg, _ = decode.choose_tiles(16, 1, 1, torch.float16, 2, kv_lora)
+    assert cfg["DSPLIT"] == d_split
+    assert decode.choose_tiles(16, 1, 1, torch.float32, 2, kv_lora)[0]["DSPLIT"] == 1  # the fp32 path keeps one group
+    if kv_lora == 512:
+        return  # too wide for the interpreter
+    args, _ = make_case([40, 9], [1, 1], H=16, kv_lora=kv_lora, dtype=torch.float16, seed=kv_lora)
+    out, lse = mla_decode_triton(**args)
+    assert [launch["DSPLIT"] for launch in fwd_launches] == [d_split]
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.float16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-5)
+
+
+def test_rejects_unknown_d_split(monkeypatch):
+    monkeypatch.setitem(decode.SCHEDULES, (2, 16), decode.SCHEDULES[(2, 16)]._replace(d_split=3))
+    args, _ = make_case([5], [1], H=16, dtype=torch.float16, seed=1)
+    with pytest.raises(ValueError, match=r"d_split must be one of \(1, 2, 4\), got 3"):
+        mla_decode_triton(**args)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_kv_bounds_with_empty_queries(nan_empty, splits):
+    lens = [20, 45]
+    args, dense = make_case(lens, [3, 3], H=3, seed=11)
+    bounds = torch.tensor([0, 7, 20, 0, 45, 60], dtype=torch.int32)  # 60 > 45: clamped to the sequence length
+    args["kv_bounds"] = bounds.to(DEVICE)
+    out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+    want_out, want_lse = mla_decode_ref(**args)
+    empty = (bounds == 0).to(DEVICE)
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+    assert torch.isfinite(out).all() and not lse.isnan().any()
+    assert_rel_close_inf("out", out[~empty], want_out[~empty], 1e-5)
+    assert_rel_close_inf("lse", lse[~empty], want_lse[~empty], 1e-5)
+    assert_rel_close_inf(
+        "ref vs dense", want_out[~empty].cpu(), dense_decode_attention(args, dense, bounds)[0][~empty.cpu()], 1e-6
+    )
+
+
+def test_split_kv_matches_unsplit(nan_empty):
+    # 5 splits of a 1-token sequence leave four splits empty (lse -inf, weight 0) in the merge.
+    args, _ = make_case([1, 33, 150], [2, 2, 2], H=16, seed=5)
+    base_out, base_lse = mla_decode_triton(**args, num_kv_splits=1)
+    for splits in (2, 5):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out splits={splits}", out, base_out, 1e-6)
+        assert_rel_close_inf(f"lse splits={splits}", lse, base_lse, 1e-6)
+
+
+def test_num_kv_splits_heuristic():
+    # one program per SM: FlashAttention's wave rule
+    assert decode.choose_num_kv_splits(256, 8192, 64, 132, min_waves=1) == 1  # more programs than SMs: no split
+    assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=1) == 4  # 128 programs: one near-full wave
+    # the default aims at several programs per SM, so unequal lengths balance out
+    assert decode.MIN_WAVES > 1
+    assert decode.choose_num_kv_splits(600, 8192, 64, 132) == 1
+    assert 128 * decode.choose_num_kv_splits(128, 8192, 64, 132) >= decode.MIN_WAVES * 132
+    assert decode.choose_num_kv_splits(1, 128, 64, 132) == 1  # too short to split
+    # a split keeps at least min_split_tiles tiles: 8192 keys, 64-key tiles
+    assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=4) == 32
+    assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=8) == 16
+    assert 32 <= decode.choose_num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
+
+
+def test_rejects_unsupported_inputs():
+    args, _ = make_case([5], [1], H=2, seed=1)
+    bad = {
+        "kv_lora_rank": dict(kv_lora_rank=24),  # 24 not a power of two, and rope 24 neither
+        "rope_dim": dict(kv_lora_rank=KV_LORA, q=args["q"][..., :40], kv_cache=args["kv_cache"][..., :40].contiguous()),
+        "block_table": dict(block_table=args["block_table"].long()),
+        "cache_seqlens": dict(cache_seqlens=args["cache_seqlens"][:0]),
+        "kv_scale": dict(kv_cache=args["kv_cache"].to(FP8)),
+        "kv_bounds": dict(kv_bounds=torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+        "num_kv_splits": dict(num_kv_splits=0),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=name):
+            mla_decode_triton(**{**args, **change})
+
+
+def test_longest_first_only_for_whole_sequences_over_more_than_a_wave(monkeypatch):
+    """The wgmma kernel takes sequences longest first only without split-KV, for up to LONGEST_FIRST_MAX_SEQS
+    sequences, and when its programs outnumber the SMs."""
+    monkeypatch.setattr(decode, "num_sms", lambda *_: 132)
+    n = decode.LONGEST_FIRST_MAX_SEQS
+    assert decode._longest_first(1, 128, 320, 0)
+    assert not decode._longest_first(2, 128, 512, 0)  # split-KV keeps the sequences' order
+    assert not decode._longest_first(1, 128, 132, 0)  # one wave: order does not matter
+    assert decode._longest_first(1, n, 2 * n, 0) and not decode._longest_first(1, n + 1, 2 * n + 2, 0)
+
+
+@pytest.mark.skipif(decode.decode_wgmma is None, reason="this Triton has no Gluon Hopper ops")
+def test_wgmma_kernel_compiles_for_sm90_within_shared_memory():
+    """The Gluon kernel compiles for sm_90 (no GPU needed) at the committed schedule (split KV, and whole sequences
+    taken longest first) and at 32-key tiles in 3 buffers; the host's shared-memory estimate (what `_wgmma_ok` gates
+    on) stays within 2 KB of what the compiler allocates, so a schedule whose buffers overflow (64-key tiles in 3
+    buffers) is refused before launch."""
+
+    sched = decode.SCHEDULES[(2, 64)]
+    assert sched.wgmma
+    tiles = [
+        (sched.block_n, sched.num_stages, False),
+        (sched.block_n, sched.num_stages, True),
+        (32, 3, False),
+        (64, 3, False),
+    ]  # (keys a tile, buffers, longest first)
+    # Compiled in a fresh process without the interpreter (which this one runs under: kernels decorated in it
+    # cannot compile for a GPU).
+    code = (
+        "import json, sys; import kernel_resources as kr; "
+        f"print(json.dumps([kr.resources(*[kr.mla_wgmma_case(n, s, 64, f)[i] for i in (1, 2, 3, 4, 5)])['shared'] "
+        f"for n, s, f in {tiles!r}]))"
+    )
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([scripts, *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (block_n, stages, _), shared in zip(tiles, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
+        estimate = decode._wgmma_smem(64, block_n, stages, 576)
+        assert estimate <= shared <= estimate + 2048, (block_n, stages, shared)
+        assert (estimate <= decode._WGMMA_SMEM) == (shared <= 227 * 1024), (block_n, stages, shared)
+    assert decode._wgmma_smem(64, sched.block_n, sched.num_stages, 576) <= decode._WGMMA_SMEM
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("dims", [(48, 16), (32, 48)], ids=["qk_split", "v_split"])
+def test_prefill_triton_matches_reference(dtype, H, dims, nan_empty):
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, H, *dims, dtype, seed=H)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_rel_close("out", out, r_out, TOL[dtype])
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@needs_triton
+def test_triton_kimi_dims(nan_empty):
+    """Dqk 192 = 128 + 64, Dv 128, with a cached prefix; Kimi's scale is (128 + 64) ** -0.5."""
+    pairs = [(3, 20), (18, 18)]
+    q, k, v, cu_q, cu_k = make_inputs(pairs, 2, 192, 128, torch.float32)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
+    assert_rel_close("out", out, r_out, 1e-5)
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("tq", [1, 7, 33])
+def test_triton_every_prefix_remainder(tq, nan_empty):
+    """Small head dims keep the interpreter fast; the tile is the one this device's launch uses."""
+    block_n = tile_config(torch.float32, 32, 16)[1]
+    pairs = prefix_sweep(block_n, tq)
+    q, k, v, cu_q, cu_k = make_inputs(pairs, 1, 32, 16, torch.float32, seed=tq)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
+    assert_rel_close("out", out, r_out, 1e-5)
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@needs_triton
+def test_triton_strided_inputs():
+    """Token/head strides are free (views of wider or head-major buffers); a non-unit last stride is copied."""
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 3, 48, 16, torch.float32)
+    q_wide = torch.cat([q, torch.randn_like(q)], dim=-1)[..., :48]  # token and head strides of a 96-wide buffer
+    k_head_major = k.transpose(0, 1).contiguous().transpose(0, 1)
+    v_cols = v.transpose(-1, -2).contiguous().transpose(-1, -2)  # last-dim stride != 1
+    out, lse = mla_prefill_triton(q_wide, k_head_major, v_cols, cu_q, cu_k, 0.25)
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
+    assert_rel_close("out", out, r_out, 1e-5)
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@needs_triton
+def test_triton_no_queries():
+    """Sequences with keys but no new tokens: nothing to compute, empty outputs of the right shapes."""
+    q, k, v, cu_q, cu_k = make_inputs([(0, 4), (0, 9)], 2, 32, 16, torch.float32)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: {**a, "q": a["q"][..., :24], "k": a["k"][..., :24]}, "Dqk=24"),
+        (lambda a: {**a, "v": torch.randn(a["v"].shape[0], 3, 24, device=TRITON_DEVICE)}, "Dv=24"),
+        (lambda a: {**a, "k": a["k"].half()}, "k dtype"),
+        (lambda a: {**a, "v": a["v"][:, :2]}, "v must have shape"),
+        (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()}, "cu_seqlens_q"),
+        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"][:-1]}, "cu_seqlens_k"),
+        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens_k"] - 1}, "cu_seqlens_k must start at 0"),
+        (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"][[0, 2, 1, 3, 4, 5]]}, "cu_seqlens_q must"),  # decreasing
+        (lambda a: {**a, "q": a["q"][:-1]}, "cu_seqlens_q must start at 0"),
+        (lambda a: {**a, "q": a["q"][:0]}, "cu_seqlens_q must start at 0"),
+    ],
+)
+def test_triton_validation(change, match):
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 3, 48, 16, torch.float32)
+    args = change({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k})
+    with pytest.raises(ValueError, match=match):
+        mla_prefill_triton(**args, scale=0.25)
+
+
+@needs_triton
+def test_triton_rejects_bad_scale():
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="scale"):
+        mla_prefill_triton(q, k, v, cu_q, cu_k, -0.25)
+
+
+@needs_triton
+def test_triton_rejects_more_queries_than_keys():
+    q, k, v, _, _ = make_inputs([(3, 2)], 1, 16, 16, torch.float32)
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=TRITON_DEVICE) for n in (3, 2))
+    with pytest.raises(ValueError, match="more new tokens"):
+        mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)

@@ -1,0 +1,114 @@
+"""MOE: the Triton kernels against the torch references, on the CPU interpreter or a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kimi_helix.kernels.moe.triton as moe_triton
+from kimi_helix.kernels.moe import fused_experts_ref
+from kimi_helix.kernels.moe.triton import MoeConfig, default_config, fused_experts_triton
+
+from ..conftest import DEVICE, TOL, assert_rel_close
+from .conftest import D, E, I, K, make_experts, make_tokens, run_triton
+
+
+def truth(x, gate_up, down, weights, ids):
+    """The reference in fp64 on the same (rounded) inputs."""
+    return fused_experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), ids)
+
+
+def decode_config(sort_pairs: bool) -> MoeConfig:
+    return dataclasses.replace(default_config(1, E), sort_pairs=sort_pairs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_triton_matches_reference(T, dtype):
+    gate_up, down = make_experts(E, D, I, dtype, seed=T)
+    x, weights, ids = make_tokens(T, D, E, K, dtype, seed=100 + T)
+    exact = truth(x, gate_up, down, weights, ids)
+    assert_rel_close("triton", run_triton(x, gate_up, down, weights, ids), exact, TOL[dtype])
+    assert_rel_close("reference", fused_experts_ref(x, gate_up, down, weights, ids), exact, TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [MoeConfig(16, 16, 16, 16, 16), MoeConfig(32, 32, 16, 16, 32, num_warps=2, num_stages=2)],
+    ids=["even_k", "ragged_k"],
+)
+def test_tiles_smaller_than_the_problem(config):
+    # d and I not multiples of every tile: several N tiles with a ragged last one, and K loops with a ragged tail;
+    # and an expert count that is not a power of two
+    d, inter, n_experts = 48, 40, 6
+    gate_up, down = make_experts(n_experts, d, inter, torch.float32, seed=3)
+    x, weights, ids = make_tokens(21, d, n_experts, K, torch.float32, seed=4)
+    y = run_triton(x, gate_up, down, weights, ids, config=config)
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("sort_pairs", [True, False])
+def test_experts_without_tokens(sort_pairs):
+    # the first and last experts, and four between, receive nothing
+    gate_up, down = make_experts(E, D, I, torch.float32, seed=5)
+    x, weights, _ = make_tokens(5, D, E, K, torch.float32, seed=6)
+    ids = torch.tensor([[2, 5], [5, 2], [2, 5], [5, 2], [2, 5]], device=DEVICE)
+    y = run_triton(x, gate_up, down, weights, ids, config=decode_config(sort_pairs))
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("sort_pairs", [True, False])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_all_tokens_to_one_expert(top_k, sort_pairs):
+    # 33 pairs on one expert span three 16-row blocks; with k == 1 every other expert, the last included, is empty
+    gate_up, down = make_experts(E, D, I, torch.float16, seed=7)
+    x, weights, ids = make_tokens(33, D, E, top_k, torch.float16, seed=8)
+    ids[:, 0] = 0 if top_k == 1 else E - 1
+    if top_k == 2:
+        ids[:, 1] = ids[:, 1] % (E - 1)
+    y = run_triton(x, gate_up, down, weights, ids, config=decode_config(sort_pairs))
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float16])
+
+
+@pytest.mark.parametrize("align_block, hist_block", [(16, 16), (16, 64), (64, 16)])
+def test_sort_across_programs_and_histogram_steps(monkeypatch, align_block, hist_block):
+    # shrunk so 66 pairs take several align programs and several histogram steps, as thousands do on the GPU
+    monkeypatch.setattr(moe_triton, "ALIGN_BLOCK", align_block)
+    monkeypatch.setattr(moe_triton, "HIST_BLOCK", hist_block)
+    gate_up, down = make_experts(E, D, I, torch.float32, seed=12)
+    x, weights, ids = make_tokens(33, D, E, K, torch.float32, seed=13)
+    ids[:20, 0] = 4  # one expert spans blocks, so ranks carry across programs
+    ids[:20, 1] = ids[:20, 1] % 4
+    y = run_triton(x, gate_up, down, weights, ids)
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
+
+
+def test_int32_ids_strided_x_and_no_tokens():
+    gate_up, down = make_experts(E, D, I, torch.float32, seed=9)
+    wide, weights, ids = make_tokens(6, 2 * D, E, K, torch.float32, seed=10)
+    x = wide[:, :D]  # rows 2D apart
+    y = run_triton(x, gate_up, down, weights, ids.int())
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
+    empty = fused_experts_triton(x[:0], gate_up, down, weights[:0], ids[:0])
+    assert empty.shape == (0, D)
+
+
+def test_bad_inputs_raise():
+    gate_up, down = make_experts(E, D, I, torch.float32)
+    x, weights, ids = make_tokens(3, D, E, K, torch.float32)
+    with pytest.raises(ValueError, match="x must"):
+        fused_experts_triton(x[0], gate_up, down, weights, ids)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        fused_experts_triton(x, gate_up[:, :-1], down, weights, ids)
+    with pytest.raises(ValueError, match="down_proj"):
+        fused_experts_triton(x, gate_up, down.transpose(1, 2), weights, ids)
+    with pytest.raises(ValueError, match="weights and ids"):
+        fused_experts_triton(x, gate_up, down, weights[:, :1], ids)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        fused_experts_triton(x, gate_up, down, weights, ids.float())
+    with pytest.raises(ValueError, match="share"):
+        fused_experts_triton(x.half(), gate_up, down, weights, ids)
+    with pytest.raises(ValueError, match="out must"):
+        fused_experts_triton(x, gate_up, down, weights, ids, out=torch.empty_like(x).half())
