@@ -160,7 +160,7 @@ class Communicator:
             failed = self.ctx.failed_ranks()
             names = ", ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())) or "no rank reported"
             raise RankFailureError(
-                f"rank {self.mapping.rank}: {kind} failed within the {self.ctx.timeout_s:g} s timeout ({names})"
+                f"rank {self.mapping.rank}: {kind} failed (collective timeout {self.ctx.timeout_s:g} s): {names}"
             ) from e
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,3 +200,15 @@ class Communicator:
     def barrier(self) -> None:
         if self.mapping.world_size > 1:
             self._run("barrier", 0, lambda: dist.barrier(group=self.world_group))
+
+
+def run_guarded(main, ctx: DistContext):
+    """Run `main()` on this rank; if it raises, tell the other ranks why (so their next collective names this
+    rank) and re-raise. The process group is closed either way."""
+    try:
+        return main()
+    except BaseException as e:
+        ctx.report_failure(e)
+        raise
+    finally:
+        ctx.close()

@@ -4,7 +4,9 @@ runs prefill, decode and verify steps on any cache with the engine's layer calls
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch
@@ -62,12 +64,15 @@ def spawn(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[st
     for p in procs:
         p.start()
     results: dict[int, tuple[str, object]] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    # Stop waiting once every rank reported or exited (a killed rank never reports).
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, status, value = queue.get(timeout=0.2)
             results[rank] = (status, value)
-    except Exception:  # noqa: BLE001 (queue.Empty: some rank never reported)
-        pass
+        except queue_module.Empty:
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
@@ -90,15 +95,16 @@ def forward_logits(model, view, batch: ForwardBatch, ids: list[int], rows: torch
         return model.lm_head(hidden[rows]).float()
 
 
-def drive(model, cache, prompts: list[list[int]], decode_steps: int, verify_drafts: list[list[int]] | None = None):
+def drive(model, cache, prompts, decode_steps: int, verify_drafts=None, comm=None):
     """Prefill every prompt in one step, greedy-decode `decode_steps` steps, then (optionally) one verify step
-    feeding each sequence's last token plus its drafts. Returns (list of logits per step, greedy tokens)."""
+    feeding each sequence's last token plus its drafts. Returns (logits per step, greedy tokens, bytes sent per
+    step by `comm`'s collectives, if given)."""
     reserve = [len(p) + decode_steps + 1 + max((len(d) for d in verify_drafts or [[]]), default=0) for p in prompts]
     for i, n in enumerate(reserve):
         cache.ledger.admit(i, n)
     seqs = [list(p) for p in prompts]
     lens = [0] * len(prompts)
-    out, tokens = [], []
+    out, tokens, sent = [], [], []
     for step in range(decode_steps + 1 + (verify_drafts is not None)):
         if step == 0:
             new = [list(p) for p in prompts]
@@ -109,12 +115,15 @@ def drive(model, cache, prompts: list[list[int]], decode_steps: int, verify_draf
         batch = ForwardBatch.build([len(n) for n in new], lens, "cpu")
         last = batch.cu_seqlens[1:].long() - 1
         rows = torch.arange(batch.num_tokens) if step > decode_steps else last
+        if comm is not None:
+            comm.reset_counters()
         logits = forward_logits(model, cache.view(list(range(len(prompts)))), batch, [t for n in new for t in n], rows)
         out.append(logits)
+        sent.append(dict(comm.bytes_sent) if comm is not None else {})
         lens = batch.total_lens()
         if step <= decode_steps:
             chosen = logits.argmax(-1).tolist()
             tokens.append(chosen)
             for s, t in zip(seqs, chosen):
                 s.append(t)
-    return out, tokens
+    return out, tokens, sent

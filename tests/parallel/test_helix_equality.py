@@ -27,6 +27,22 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def expected_decode_bytes(tp: int, cp: int, tokens: int) -> dict[str, int]:
+    """docs/helix.md's formula for the bytes one rank sends in a decode step of `tokens` tokens (fp32)."""
+    c, world = parallel_test_config(), tp * cp
+    mla_layers = c.layer_types.count("full_attention")
+    out = {
+        # embedding, then every layer's attention output projection and its MLP / MoE block
+        "all_reduce": (1 + 2 * c.num_hidden_layers) * tokens * c.hidden_size * 4,
+        "all_gather": tokens * c.vocab_size // world * 4 * (world - 1),
+    }
+    if cp > 1:
+        out["all_to_all"] = (
+            mla_layers * tokens * c.num_attention_heads // tp * (c.kv_lora_rank + 1) * 4 * (cp - 1) // cp
+        )
+    return out
+
+
 def _equality_rank(rank, world, tp, cp):
     ctx = init_distributed(timeout_s=60)
     try:
@@ -34,17 +50,18 @@ def _equality_rank(rank, world, tp, cp):
         config = parallel_test_config()
         model = KimiK3ForCausalLM(config).eval()
         ref_cache = PagedCache(config, PageLedger(64, PAGE_SIZE, 4), torch.float32, "cpu")
-        ref_logits, ref_tokens = drive(model, ref_cache, PROMPTS, 3, DRAFTS)
+        ref_logits, ref_tokens, _ = drive(model, ref_cache, PROMPTS, 3, DRAFTS)
         mapping = Mapping(tp=tp, cp=cp, rank=rank)
         comm = Communicator.create(mapping, ctx)
         sharded = parallelize(shard_model(copy.deepcopy(model), mapping), comm)
         cache = helix_cache(config, comm, 64, PAGE_SIZE, 4, torch.float32, "cpu")
-        logits, tokens = drive(sharded, cache, PROMPTS, 3, DRAFTS)
+        logits, tokens, sent = drive(sharded, cache, PROMPTS, 3, DRAFTS, comm)
         return {
             "max_rel": max(_relative(a, b) for a, b in zip(logits, ref_logits)),
             "tokens_equal": tokens == ref_tokens,
             "pages_in_use": cache.ledger.pages_in_use,
             "ref_pages": ref_cache.ledger.pages_in_use,
+            "decode_bytes": sent[1:4],  # three decode steps, each at a longer context
         }
     finally:
         ctx.close()
@@ -56,6 +73,8 @@ def test_helix_matches_single_process(tp, cp):
     for rank, r in enumerate(results):
         assert r["max_rel"] <= 1e-5, (rank, r)
         assert r["tokens_equal"], (rank, r)
+        assert r["decode_bytes"][0] == expected_decode_bytes(tp, cp, len(PROMPTS)), (rank, r["decode_bytes"])
+        assert r["decode_bytes"][1] == r["decode_bytes"][0] == r["decode_bytes"][2]  # independent of context length
     # Each rank's ledger holds only its own pages, and together they hold the single-process cache's pages.
     if tp == 1:
         assert sum(r["pages_in_use"] for r in results) >= results[0]["ref_pages"]

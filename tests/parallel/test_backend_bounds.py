@@ -1,0 +1,75 @@
+"""A cp > 1 verify needs per-token KV bounds: the switch never picks a backend that lacks them (a causal-slope
+kernel, `kv_len - (q_len - 1 - r)`, is wrong on ranks that own none or part of a group), and Helix always asks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kimi_helix.kernels import backends
+from kimi_helix.kernels.backends import AttentionRequest, BackendUnavailableError, KernelCaps, select_backend
+from kimi_helix.parallel.ownership import Ownership
+
+
+@pytest.fixture
+def with_slope_backend(monkeypatch):
+    """The real registry plus a fastest-first verify backend that only knows the causal slope."""
+    real = backends.build_registry
+    slope = KernelCaps(frozenset({"cpu", "cuda"}), frozenset({"fp32"}), frozenset({"fp32"}), kv_bounds=False)
+
+    def registry():
+        return {**real(), "slope": backends.Backend("slope", {"decode": slope, "verify": slope})}
+
+    monkeypatch.setattr(backends, "build_registry", registry)
+    monkeypatch.setattr(backends, "PRIORITY", {d: ("slope", *o) for d, o in backends.PRIORITY.items()})
+    select_backend.cache_clear()
+    yield
+    select_backend.cache_clear()
+
+
+def _request(**kw):
+    base = dict(phase="verify", num_heads=4, head_dim=40, v_head_dim=32, q_dtype="fp32", kv_dtype="fp32", device="cpu")
+    return AttentionRequest(**{**base, **kw})
+
+
+def test_switch_never_picks_a_backend_without_bounds(with_slope_backend):
+    assert select_backend(_request()).name == "slope"  # without bounds the slope kernel would be chosen
+    for phase in ("decode", "verify"):
+        chosen = select_backend(_request(phase=phase, need_kv_bounds=True, need_lse=True))
+        assert chosen.name != "slope" and chosen.kernels[phase].kv_bounds
+    with pytest.raises(BackendUnavailableError, match="per-token KV bounds"):
+        select_backend(_request(need_kv_bounds=True), "slope")
+
+
+def test_every_backend_serving_bounds_declares_them():
+    for backend in backends.build_registry().values():
+        for phase, caps in backend.kernels.items():
+            request = _request(phase=phase, need_kv_bounds=True)
+            if not caps.reasons(request):
+                assert caps.kv_bounds, (backend.name, phase)
+
+
+def test_helix_attention_always_passes_bounds(monkeypatch):
+    """The Helix view hands the kernel `local_len(pos + 1)` per token, for decode and verify alike."""
+    from kimi_helix.engine.cache import SequenceBlocks
+    from kimi_helix.modeling.batch import ForwardBatch
+    from kimi_helix.parallel import helix
+
+    seen = {}
+
+    def fake_decode(q, *args, kv_bounds=None, need_lse=False, phase="decode", **kw):
+        seen.update(bounds=kv_bounds, need_lse=need_lse, phase=phase)
+        raise StopIteration
+
+    monkeypatch.setattr(helix, "mla_decode", fake_decode)
+    own = Ownership(4, 2, 0)
+    ledger = dataclasses.make_dataclass("L", ["ownership"])(own)
+    cache = type("C", (), {"ledger": ledger, "pages": {0: torch.zeros(4, 4, 40)}})()
+    view = helix.HelixCacheView(cache, [SequenceBlocks(slot=0, pages=[2, 3], length=6)])
+    module = type("M", (), dict(layer_idx=0, nope=8, v_dim=8, kv_lora_rank=32, scale=1.0))()
+    module.kv_b_proj = torch.nn.Linear(32, 4 * 16, bias=False)
+    batch = ForwardBatch.build([4], [6], "cpu")  # positions 6..9 straddle pages 1 (rank 1) and 2 (rank 0)
+    with pytest.raises(StopIteration):
+        view.mla_attention(module, torch.zeros(4, 4, 16), torch.zeros(4, 40), batch)
+    assert seen["phase"] == "verify" and seen["need_lse"]
+    assert seen["bounds"].tolist() == own.kv_bounds(torch.arange(6, 10)).tolist() == [4, 4, 5, 6]
