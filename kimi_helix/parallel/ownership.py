@@ -71,6 +71,15 @@ class Ownership:
         """Pages this rank must hold for a sequence of `lengths` tokens."""
         return -(-self.local_len(lengths) // self.page_size)
 
+    def owned_pages(self, num_pages: int) -> list[int]:
+        """Which of a sequence's global pages 0 .. num_pages - 1 this rank holds, in order."""
+        return [b for b in range(num_pages) if b % self.cp == self.cp_rank]
+
+    def local_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """[N, G] page ids by global page -> [N, ceil(G / cp)] this rank's pages in local order (k-th local page =
+        global page `k * cp + cp_rank`, what `owner` gives)."""
+        return block_table[:, self.cp_rank :: self.cp]
+
     def write_slots(self, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         """Flat cache slot (`page * page_size + offset`) of each new token on this rank, -1 where another rank owns
         it. `page_table` [n_local_pages] int64 holds the sequence's local page ids; positions [T] int64."""

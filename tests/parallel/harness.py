@@ -12,7 +12,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from kimi_helix.modeling.batch import ForwardBatch
+from kimi_helix.modeling.batch import ForwardBatch, Phase
 from kimi_helix.modeling.config import KimiK3Config
 
 PAGE_SIZE = 4
@@ -112,7 +112,8 @@ def drive(model, cache, prompts, decode_steps: int, verify_drafts=None, comm=Non
             new = [[s[-1]] for s in seqs]
         else:
             new = [[s[-1], *d] for s, d in zip(seqs, verify_drafts)]
-        batch = ForwardBatch.build([len(n) for n in new], lens, "cpu")
+        phase = Phase.PREFILL if step == 0 else Phase.DECODE if step <= decode_steps else Phase.VERIFY
+        batch = ForwardBatch.build([len(n) for n in new], lens, "cpu", [phase] * len(new))
         last = batch.cu_seqlens[1:].long() - 1
         rows = torch.arange(batch.num_tokens) if step > decode_steps else last
         if comm is not None:

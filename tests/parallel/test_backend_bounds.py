@@ -1,7 +1,6 @@
 """A cp > 1 verify needs per-token KV bounds: the switch never picks a backend that lacks them (a causal-slope
 kernel, `kv_len - (q_len - 1 - r)`, is wrong on ranks that own none or part of a group), and Helix always asks."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -50,26 +49,34 @@ def test_every_backend_serving_bounds_declares_them():
 
 
 def test_helix_attention_always_passes_bounds(monkeypatch):
-    """The Helix view hands the kernel `local_len(pos + 1)` per token, for decode and verify alike."""
-    from kimi_helix.engine.cache import SequenceBlocks
-    from kimi_helix.modeling.batch import ForwardBatch
+    """The Helix path hands the kernel `local_len(pos + 1)` per token and its local pages, in every phase."""
+    from kimi_helix.modeling.batch import ForwardBatch, Phase
+    from kimi_helix.modeling.paged_mla import PagedLatents
     from kimi_helix.parallel import helix
 
     seen = {}
 
-    def fake_decode(q, *args, kv_bounds=None, need_lse=False, phase="decode", **kw):
-        seen.update(bounds=kv_bounds, need_lse=need_lse, phase=phase)
+    def fake_decode(q, pages, block_table, lens, *args, kv_bounds=None, need_lse=False, phase="decode", **kw):
+        seen.update(bounds=kv_bounds, need_lse=need_lse, phase=phase, table=block_table, lens=lens)
         raise StopIteration
 
     monkeypatch.setattr(helix, "mla_decode", fake_decode)
     own = Ownership(4, 2, 0)
-    ledger = dataclasses.make_dataclass("L", ["ownership"])(own)
-    cache = type("C", (), {"ledger": ledger, "pages": {0: torch.zeros(4, 4, 40)}})()
-    view = helix.HelixCacheView(cache, [SequenceBlocks(slot=0, pages=[2, 3], length=6)])
+    attend = helix.HelixAttention(own, comm=None)
     module = type("M", (), dict(layer_idx=0, nope=8, v_dim=8, kv_lora_rank=32, scale=1.0))()
     module.kv_b_proj = torch.nn.Linear(32, 4 * 16, bias=False)
-    batch = ForwardBatch.build([4], [6], "cpu")  # positions 6..9 straddle pages 1 (rank 1) and 2 (rank 0)
+    # positions 6..9 straddle global pages 1 (rank 1) and 2 (rank 0); this rank holds pages 0 and 2 as 5 and 7
+    batch = ForwardBatch.build([4], [6], "cpu", [Phase.VERIFY])
+    table = torch.tensor([[5, -1, 7]], dtype=torch.int32)
+    slots = torch.tensor([-2, -1, 30, 31])  # what the runner computes from that table; -1 pages give junk
+    pages = torch.zeros(8, 4, 40)
+    kv = PagedLatents(pages, None, table, torch.tensor([10], dtype=torch.int32), slots)
+    latent = torch.arange(4.0)[:, None].expand(4, 40)
     with pytest.raises(StopIteration):
-        view.mla_attention(module, torch.zeros(4, 4, 16), torch.zeros(4, 40), batch)
+        attend(module, torch.zeros(4, 4, 16), latent, batch, kv)
     assert seen["phase"] == "verify" and seen["need_lse"]
     assert seen["bounds"].tolist() == own.kv_bounds(torch.arange(6, 10)).tolist() == [4, 4, 5, 6]
+    assert seen["table"].tolist() == [[5, 7]] and seen["lens"].tolist() == [6]
+    flat = pages.view(-1, 40)
+    assert flat[30, 0] == 2 and flat[31, 0] == 3  # only the owned tokens were written, in their slots
+    assert flat[:30].abs().sum() == 0 and flat[32:].abs().sum() == 0
