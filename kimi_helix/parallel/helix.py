@@ -150,9 +150,10 @@ class HelixPagedCache(PagedCache):
 
 
 def helix_cache(
-    config: KimiK3Config, comm: Communicator, num_pages: int, page_size: int, num_slots: int, dtype, device
+    config: KimiK3Config, comm: Communicator, num_pages: int, page_size: int, num_slots: int, dtype, device, **kw
 ):
-    """A `HelixPagedCache` for this rank of `comm.mapping` (cp = 1: every page on the one cp rank)."""
+    """A `HelixPagedCache` for this rank of `comm.mapping` (cp = 1: every page on the one cp rank); `kw` as for
+    `PagedCache` (kv_cache_dtype)."""
     m = comm.mapping
     ledger = HelixPageLedger(num_pages, page_size, num_slots, Ownership(page_size, m.cp, m.cp_rank))
-    return HelixPagedCache(config, ledger, dtype, device, comm)
+    return HelixPagedCache(config, ledger, dtype, device, comm, **kw)

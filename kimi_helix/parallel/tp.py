@@ -137,8 +137,10 @@ def _slice_index(shard: Shard | None, shape: tuple[int, ...]) -> tuple[slice, ..
     return tuple(slice(lo, hi) if d == shard.dim else slice(None) for d in range(len(shape)))
 
 
-def load_sharded(path, mapping: Mapping, *, dtype: torch.dtype = torch.float32, device="cpu", cls=None):
+def load_sharded(path, mapping: Mapping, *, dtype=None, device="cpu", cls=None):
     """Build this rank's shard of a local safetensors checkpoint, reading only its own slices from disk.
+
+    `dtype` as in `from_pretrained` (None or "auto": the checkpoint's).
 
     Raises `CheckpointError` for a missing, unexpected or wrong-shape tensor, as the single-process loader does.
     """
@@ -148,6 +150,7 @@ def load_sharded(path, mapping: Mapping, *, dtype: torch.dtype = torch.float32, 
     path = ckpt._resolve_dir(Path(path))
     config = ckpt._read_config(path)
     mapping.validate(config)
+    dtype = ckpt._resolve_dtype(dtype, ckpt._shard_files(path), config)
     with torch.device("meta"):
         model = cls(config)
     full = dict(ckpt._own_params(model))

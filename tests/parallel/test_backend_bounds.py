@@ -1,7 +1,6 @@
 """A cp > 1 verify needs per-token KV bounds: the switch never picks a backend that lacks them (a causal-slope
 kernel, `kv_len - (q_len - 1 - r)`, is wrong on ranks that own none or part of a group), and Helix always asks."""
 
-
 import pytest
 import torch
 
