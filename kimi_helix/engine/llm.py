@@ -76,6 +76,8 @@ class LLM:
         tensor_parallel_size, context_parallel_size: tp and Helix cp (`kimi_helix.parallel`); with tp * cp > 1
             every rank of a torchrun launch builds the LLM (a directory is read slice by slice, a model object is
             sharded in place), every rank runs `generate` and rank 0 returns the outputs (the others get []).
+        dist_timeout_s: when the LLM joins the process group itself (from torchrun's environment), how long a
+            collective waits for a failed or hung rank before every rank raises `RankFailureError` naming it.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class LLM:
         tokenizer=None,
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        dist_timeout_s: float = 60.0,
     ):
         if attention_backend is not None and attention_backend not in build_registry():
             raise ValueError(
@@ -116,7 +119,7 @@ class LLM:
             from ..parallel.engine import parallel_model
 
             model, self.comm = parallel_model(
-                model, tensor_parallel_size, context_parallel_size, dtype=dtype, device=device
+                model, tensor_parallel_size, context_parallel_size, dtype=dtype, device=device, timeout_s=dist_timeout_s
             )
             device = device or next(model.parameters()).device
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

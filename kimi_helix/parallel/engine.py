@@ -13,16 +13,19 @@ from .mapping import Mapping
 from .tp import load_sharded, parallelize, shard_model
 
 
-def parallel_model(model, tp: int, cp: int, *, dtype=None, device=None, comm: Communicator | None = None):
+def parallel_model(
+    model, tp: int, cp: int, *, dtype=None, device=None, comm: Communicator | None = None, timeout_s: float = 60.0
+):
     """This rank's shard of `model` (a checkpoint directory, read slice by slice, or a full in-memory
     `KimiK3ForCausalLM`, sharded in place) with its collectives installed; returns (model, communicator).
 
-    Joins the process group from torchrun's environment when none exists; `comm` overrides the groups.
+    Joins the process group from torchrun's environment when none exists (collective timeout `timeout_s`, after
+    which a failed rank is named); `comm` overrides the groups.
     """
     if comm is None:
         ctx = None
         if not dist.is_initialized():
-            ctx = init_distributed(device=device)
+            ctx = init_distributed(timeout_s=timeout_s, device=device)
         if dist.get_world_size() != tp * cp:
             raise ValueError(
                 f"tensor_parallel_size * context_parallel_size = {tp} * {cp} must equal the world size "
