@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from ..engine.cache import PagedCache, PageLedger, SequenceBlocks
+from ..kernels.launch import cdiv
 from ..kernels.mla import combine_partials, mla_decode, sanitize_empty
 from ..modeling.batch import ForwardBatch, Phase
 from ..modeling.config import KimiK3Config
@@ -52,16 +53,16 @@ class HelixAttention:
 
     def __init__(self, ownership: Ownership, comm: Communicator):
         self.own, self.comm = ownership, comm
+        self._meta: tuple | None = None  # (batch, block table, metadata) of the step being run
 
     def metadata(self, batch: ForwardBatch, kv: PagedLatents) -> dict[str, torch.Tensor]:
         """Write slots [T], key bounds [T], local lengths [N] and local block table [N, *] of the step, all from
         the ownership rule; built once per step and shared by the MLA layers."""
-        cached = getattr(self, "_meta", None)
-        if cached is not None and cached[0] is batch and cached[1] is kv.block_table:
-            return cached[2]
+        if self._meta is not None and self._meta[0] is batch and self._meta[1] is kv.block_table:
+            return self._meta[2]
         positions = batch.positions.to(kv.block_table.device)
         meta = {
-            "write_slots": torch.where(self.own.owns(positions), kv.slot_mapping, NOT_HERE),
+            "write_slots": self.own.write_slots(positions, kv.slot_mapping),
             "kv_bounds": self.own.kv_bounds(positions).to(torch.int32),
             "local_lens": self.own.local_len(kv.cache_seqlens).to(torch.int32),
             "block_table": self.own.local_block_table(kv.block_table).contiguous(),
@@ -111,7 +112,7 @@ class HelixPageLedger(PageLedger):
         self.reserved: dict[int, int] = {}  # rank-0 pages per admitted sequence: the same on every rank
 
     def pages_for(self, tokens: int) -> int:
-        return -(-self.ownership.local_len(tokens, 0) // self.page_size)
+        return self.ownership.local_pages(tokens, 0)
 
     def can_admit(self, reserve_tokens: int) -> bool:
         return bool(self.free_slots) and self.num_pages - sum(self.reserved.values()) >= self.pages_for(reserve_tokens)
@@ -120,10 +121,9 @@ class HelixPageLedger(PageLedger):
         if not self.can_admit(reserve_tokens):
             raise RuntimeError(f"cannot admit sequence {seq_id}: no free slot or too few free pages")
         blocks = SequenceBlocks(slot=self.free_slots.pop())
-        owned = set(self.ownership.owned_pages(-(-reserve_tokens // self.page_size)))
-        blocks.pages = [
-            self.free_pages.pop() if b in owned else NOT_HERE for b in range(-(-reserve_tokens // self.page_size))
-        ]
+        num_pages = cdiv(reserve_tokens, self.page_size)
+        owned = set(self.ownership.owned_pages(num_pages))
+        blocks.pages = [self.free_pages.pop() if b in owned else NOT_HERE for b in range(num_pages)]
         self.reserved[seq_id] = self.pages_for(reserve_tokens)
         self.seqs[seq_id] = blocks
         return blocks

@@ -55,10 +55,6 @@ class Ownership:
         tail = tail.clamp(0, ps) if isinstance(tail, torch.Tensor) else min(max(tail, 0), ps)
         return rounds * ps + tail
 
-    def local_index(self, positions: torch.Tensor) -> torch.Tensor:
-        """Rank-local index of each owned global position (meaningless where `owns` is False): [*] -> [*]."""
-        return self.local_len(positions)
-
     def kv_bounds(self, positions: torch.Tensor) -> torch.Tensor:
         """Per-token key bound on this rank: the query at global position p sees local keys [0, local_len(p + 1)).
 
@@ -67,9 +63,9 @@ class Ownership:
         """
         return self.local_len(positions + 1)
 
-    def local_pages(self, lengths: int) -> int:
-        """Pages this rank must hold for a sequence of `lengths` tokens."""
-        return -(-self.local_len(lengths) // self.page_size)
+    def local_pages(self, lengths: int, cp_rank: int | None = None) -> int:
+        """Pages `cp_rank` (default this rank) must hold for a sequence of `lengths` tokens."""
+        return -(-self.local_len(lengths, cp_rank) // self.page_size)
 
     def owned_pages(self, num_pages: int) -> list[int]:
         """Which of a sequence's global pages 0 .. num_pages - 1 this rank holds, in order."""
@@ -80,10 +76,7 @@ class Ownership:
         global page `k * cp + cp_rank`, what `owner` gives)."""
         return block_table[:, self.cp_rank :: self.cp]
 
-    def write_slots(self, positions: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
-        """Flat cache slot (`page * page_size + offset`) of each new token on this rank, -1 where another rank owns
-        it. `page_table` [n_local_pages] int64 holds the sequence's local page ids; positions [T] int64."""
-        local = self.local_index(positions)
-        owned = self.owns(positions)
-        page = page_table[torch.where(owned, local // self.page_size, 0)] if page_table.numel() else local * 0
-        return torch.where(owned, page * self.page_size + local % self.page_size, -1)
+    def write_slots(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Where each new token's latent goes on this rank: the engine's slot [T] (from a page list that holds this
+        rank's page ids at its pages) where this rank owns the token, -1 elsewhere. positions [T] int64."""
+        return torch.where(self.owns(positions), slot_mapping, -1)

@@ -5,6 +5,7 @@ import torch
 
 from kimi_helix.modeling.config import KimiK3Config
 from kimi_helix.parallel import Mapping, Ownership, ParallelConfigError
+from kimi_helix.parallel.helix import HelixPageLedger
 
 
 def brute_owner(p: int, ps: int, cp: int) -> int:
@@ -26,23 +27,45 @@ def test_local_len_matches_brute_force(ps, cp):
 
 
 @pytest.mark.parametrize("ps,cp", [(2, 2), (3, 3), (4, 2)])
-def test_write_slots_and_bounds_brute_force(ps, cp):
-    """Write slots land each token once, in position order on its owner; bounds count the owner's tokens <= p."""
+def test_ledger_slots_and_bounds_brute_force(ps, cp):
+    """Through the Helix ledger and the engine's slot rule: each token is written once, on its owner, at local index
+    = its rank among the owner's tokens; bounds count the owner's tokens <= p; pages are what the rank needs."""
     n = 5 * ps * cp + 1
     positions = torch.arange(n)
     stored: dict[int, tuple[int, int]] = {}
     for r in range(cp):
         own = Ownership(ps, cp, r)
-        pages = torch.arange(100, 100 + own.local_pages(n))  # arbitrary local page ids
-        slots = own.write_slots(positions, pages)
+        ledger = HelixPageLedger(64, ps, 1, own)
+        pages = ledger.admit(0, n).pages  # global-indexed, -1 where another rank owns the page
+        assert sum(p >= 0 for p in pages) == own.local_pages(n) == ledger.pages_in_use
+        table = torch.tensor(pages)
+        slot_mapping = table[positions // ps] * ps + positions % ps  # what the runner computes
+        slots = own.write_slots(positions, slot_mapping)
         mine = [p for p in range(n) if brute_owner(p, ps, cp) == r]
         assert [p for p in range(n) if slots[p] >= 0] == mine
-        for k, p in enumerate(mine):  # the k-th owned token sits at local index k
-            assert slots[p].item() == pages[k // ps].item() * ps + k % ps
+        local = own.local_block_table(table[None])[0]
+        for k, p in enumerate(mine):  # the k-th owned token sits at local index k of the local block table
+            assert slots[p].item() == local[k // ps].item() * ps + k % ps
             stored[p] = (r, slots[p].item())
         bounds = own.kv_bounds(positions)
         assert bounds.tolist() == [sum(q <= p for q in mine) for p in range(n)]
+        ledger.release(0)
+        assert ledger.pages_in_use == 0
     assert sorted(stored) == list(range(n))
+
+
+def test_ledger_admits_identically_on_every_rank():
+    """Admission is counted in rank 0's pages (the most of any rank), so all ranks take the same decisions."""
+    ledgers = [HelixPageLedger(5, 4, 8, Ownership(4, 3, r)) for r in range(3)]
+    decisions = []
+    for seq, tokens in enumerate([13, 9, 30, 4, 1, 1]):  # rank-0 pages: 2, 1, (3), 1, 1, (1) of 5
+        ok = [lg.can_admit(tokens) for lg in ledgers]
+        assert len(set(ok)) == 1
+        decisions.append(ok[0])
+        if ok[0]:
+            for lg in ledgers:
+                lg.admit(seq, tokens)
+    assert decisions == [True, True, False, True, True, False]
 
 
 def test_straddling_verify_group():
@@ -52,7 +75,7 @@ def test_straddling_verify_group():
     assert r0.owner(positions).tolist() == [1, 1, 0, 0]
     assert r0.kv_bounds(positions).tolist() == [4, 4, 5, 6]  # page 0 cached, then its own 8, 9
     assert r1.kv_bounds(positions).tolist() == [3, 4, 4, 4]  # its 4, 5 cached, then 6, 7
-    assert r0.write_slots(positions, torch.tensor([7, 3])).tolist() == [-1, -1, 12, 13]
+    assert r0.write_slots(positions, torch.tensor([-2, -1, 12, 13])).tolist() == [-1, -1, 12, 13]
 
 
 def test_mapping_grid_and_repurpose():
