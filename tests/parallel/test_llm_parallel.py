@@ -1,6 +1,7 @@
 """`LLM(model, tensor_parallel_size=T, context_parallel_size=C)` on gloo ranks equals the one-process `LLM`: greedy
-outputs of a batch of prompts shorter than, equal to and many times a page, and the logits of verify groups built
-by the runner's verify phase that straddle pages (on some ranks, none of a group's tokens is owned)."""
+outputs of a batch of prompts shorter than, equal to and many times a page (chunked prefill, mixed steps), and the
+logits of verify groups built by the runner's verify phase that straddle pages (on some ranks, none of a group's
+tokens is owned)."""
 
 import copy
 
@@ -53,9 +54,10 @@ def _llm_rank(rank, world, tp, cp):
         torch.manual_seed(0)
         model = KimiK3ForCausalLM(parallel_test_config()).eval()
         kw = dict(page_size=PAGE_SIZE, max_num_seqs=4, max_model_len=64, device="cpu")
-        ref = llm_mod.LLM(copy.deepcopy(model), **kw)
-        want = ref.generate(PROMPTS, GREEDY, use_tqdm=False)
-        helix = llm_mod.LLM(copy.deepcopy(model), tensor_parallel_size=tp, context_parallel_size=cp, **kw)
+        # An 8-token budget chunks the long prompts and mixes decodes with prefill chunks in one step.
+        chunked = dict(kw, max_num_batched_tokens=8)
+        want = llm_mod.LLM(copy.deepcopy(model), **chunked).generate(PROMPTS, GREEDY, use_tqdm=False)
+        helix = llm_mod.LLM(copy.deepcopy(model), tensor_parallel_size=tp, context_parallel_size=cp, **chunked)
         got = helix.generate(PROMPTS, GREEDY, use_tqdm=False)
         ref_seen, ref_tokens = _verify_steps(llm_mod.LLM(copy.deepcopy(model), **kw), want)
         seen, tokens = _verify_steps(
