@@ -43,7 +43,13 @@ def expected_decode_bytes(tp: int, cp: int, tokens: int) -> dict[str, int]:
     return out
 
 
-def _equality_rank(rank, world, tp, cp):
+def layouts(world: int) -> list[tuple[int, int]]:
+    """Every (tp, cp) with tp in {1, 2, 4} and tp * cp = world."""
+    return [(tp, world // tp) for tp in (1, 2, 4) if world % tp == 0]
+
+
+def _equality_rank(rank, world):
+    """Every layout of `world` ranks in one launch (a spawn costs seconds): per layout, this rank's results."""
     ctx = init_distributed(timeout_s=60)
     try:
         torch.manual_seed(0)
@@ -51,31 +57,37 @@ def _equality_rank(rank, world, tp, cp):
         model = KimiK3ForCausalLM(config).eval()
         ref_cache = PagedCache(config, PageLedger(64, PAGE_SIZE, 4), torch.float32, "cpu")
         ref_logits, ref_tokens, _ = drive(model, ref_cache, PROMPTS, 3, DRAFTS)
-        mapping = Mapping(tp=tp, cp=cp, rank=rank)
-        comm = Communicator.create(mapping, ctx)
-        sharded = parallelize(shard_model(copy.deepcopy(model), mapping), comm)
-        cache = helix_cache(config, comm, 64, PAGE_SIZE, 4, torch.float32, "cpu")
-        logits, tokens, sent = drive(sharded, cache, PROMPTS, 3, DRAFTS, comm)
-        return {
-            "max_rel": max(_relative(a, b) for a, b in zip(logits, ref_logits)),
-            "tokens_equal": tokens == ref_tokens,
-            "pages_in_use": cache.ledger.pages_in_use,
-            "ref_pages": ref_cache.ledger.pages_in_use,
-            "decode_bytes": sent[1:4],  # three decode steps, each at a longer context
-        }
+        out = {}
+        for tp, cp in layouts(world):
+            mapping = Mapping(tp=tp, cp=cp, rank=rank)
+            comm = Communicator.create(mapping, ctx)
+            sharded = parallelize(shard_model(copy.deepcopy(model), mapping), comm)
+            cache = helix_cache(config, comm, 64, PAGE_SIZE, 4, torch.float32, "cpu")
+            logits, tokens, sent = drive(sharded, cache, PROMPTS, 3, DRAFTS, comm)
+            out[tp, cp] = {
+                "max_rel": max(_relative(a, b) for a, b in zip(logits, ref_logits)),
+                "tokens_equal": tokens == ref_tokens,
+                "pages_in_use": cache.ledger.pages_in_use,
+                "ref_pages": ref_cache.ledger.pages_in_use,
+                "decode_bytes": sent[1:4],  # three decode steps, each at a longer context
+            }
+        return out
     finally:
         ctx.close()
 
 
-@pytest.mark.parametrize("tp,cp", [(1, 2), (1, 3), (1, 4), (2, 2), (2, 1), (4, 1)])
-def test_helix_matches_single_process(tp, cp):
-    results = check_all_ok(spawn(_equality_rank, tp * cp, tp, cp), tp * cp)
-    for rank, r in enumerate(results):
-        assert r["max_rel"] <= 1e-5, (rank, r)
-        assert r["tokens_equal"], (rank, r)
-        assert r["decode_bytes"][0] == expected_decode_bytes(tp, cp, len(PROMPTS)), (rank, r["decode_bytes"])
-        assert r["decode_bytes"][1] == r["decode_bytes"][0] == r["decode_bytes"][2]  # independent of context length
-    # Each rank's ledger holds only its own pages, and together they hold the single-process cache's pages.
-    if tp == 1:
-        assert sum(r["pages_in_use"] for r in results) >= results[0]["ref_pages"]
-        assert max(r["pages_in_use"] for r in results) < results[0]["ref_pages"]
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_helix_matches_single_process(world):
+    """(tp, cp) in (1, 2), (2, 1); (1, 3); (1, 4), (2, 2), (4, 1)."""
+    per_rank = check_all_ok(spawn(_equality_rank, world), world)
+    for tp, cp in layouts(world):
+        results = [r[tp, cp] for r in per_rank]
+        for rank, r in enumerate(results):
+            assert r["max_rel"] <= 1e-5, (tp, cp, rank, r)
+            assert r["tokens_equal"], (tp, cp, rank, r)
+            assert r["decode_bytes"][0] == expected_decode_bytes(tp, cp, len(PROMPTS)), (tp, cp, rank, r)
+            assert r["decode_bytes"][1] == r["decode_bytes"][0] == r["decode_bytes"][2]  # not context-dependent
+        # Each rank's ledger holds only its own pages, and together at least the single-process cache's pages.
+        if tp == 1:
+            assert sum(r["pages_in_use"] for r in results) >= results[0]["ref_pages"]
+            assert max(r["pages_in_use"] for r in results) < results[0]["ref_pages"]

@@ -48,7 +48,7 @@ def _verify_steps(llm, reference_outputs):
     return seen, [r.output_ids for r in requests]
 
 
-def _llm_rank(rank, world, tp, cp):
+def _llm_rank(rank, world, layouts):
     ctx = init_distributed(timeout_s=60)
     try:
         torch.manual_seed(0)
@@ -57,32 +57,37 @@ def _llm_rank(rank, world, tp, cp):
         # An 8-token budget chunks the long prompts and mixes decodes with prefill chunks in one step.
         chunked = dict(kw, max_num_batched_tokens=8)
         want = llm_mod.LLM(copy.deepcopy(model), **chunked).generate(PROMPTS, GREEDY, use_tqdm=False)
-        helix = llm_mod.LLM(copy.deepcopy(model), tensor_parallel_size=tp, context_parallel_size=cp, **chunked)
-        got = helix.generate(PROMPTS, GREEDY, use_tqdm=False)
         ref_seen, ref_tokens = _verify_steps(llm_mod.LLM(copy.deepcopy(model), **kw), want)
-        seen, tokens = _verify_steps(
-            llm_mod.LLM(copy.deepcopy(model), tensor_parallel_size=tp, context_parallel_size=cp, **kw), want
-        )
-        (phases, verify_logits), (_, ref_verify_logits) = seen[-1], ref_seen[-1]
-        rel = ((verify_logits - ref_verify_logits).abs().max() / ref_verify_logits.abs().max()).item()
-        return {
-            "outputs": [o.token_ids for o in got],
-            "reference": [o.token_ids for o in want],
-            "verify_phases": phases,
-            "verify_rel": rel,
-            "verify_tokens_equal": tokens == ref_tokens,
-            "bytes_per_step": [m.bytes_sent for m in helix.metrics],
-        }
+        out = {}
+        for tp, cp in layouts:
+            par = dict(tensor_parallel_size=tp, context_parallel_size=cp)
+            helix = llm_mod.LLM(copy.deepcopy(model), **par, **chunked)
+            got = helix.generate(PROMPTS, GREEDY, use_tqdm=False)
+            seen, tokens = _verify_steps(llm_mod.LLM(copy.deepcopy(model), **par, **kw), want)
+            (phases, verify_logits), (_, ref_verify_logits) = seen[-1], ref_seen[-1]
+            rel = ((verify_logits - ref_verify_logits).abs().max() / ref_verify_logits.abs().max()).item()
+            out[tp, cp] = {
+                "outputs": [o.token_ids for o in got],
+                "reference": [o.token_ids for o in want],
+                "verify_phases": phases,
+                "verify_rel": rel,
+                "verify_tokens_equal": tokens == ref_tokens,
+                "bytes_per_step": [m.bytes_sent for m in helix.metrics],
+            }
+        return out
     finally:
         ctx.close()
 
 
-@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2), (1, 3)])
-def test_llm_helix_equals_single_process(tp, cp):
-    results = check_all_ok(spawn(_llm_rank, tp * cp, tp, cp), tp * cp)
-    assert results[0]["outputs"] == results[0]["reference"]
-    assert all(r["outputs"] == [] for r in results[1:])  # rank 0 returns the outputs
-    for r in results:
-        assert r["verify_phases"] == [Phase.VERIFY] * len(PROMPTS)
-        assert r["verify_rel"] <= 1e-5 and r["verify_tokens_equal"], r
-        assert all(b > 0 for b in r["bytes_per_step"])
+@pytest.mark.parametrize("layouts", [[(1, 2), (2, 1)], [(1, 3)], [(2, 2), (1, 4)]], ids=["world2", "world3", "world4"])
+def test_llm_helix_equals_single_process(layouts):
+    world = layouts[0][0] * layouts[0][1]
+    per_rank = check_all_ok(spawn(_llm_rank, world, layouts), world)
+    for layout in layouts:
+        results = [r[layout] for r in per_rank]
+        assert results[0]["outputs"] == results[0]["reference"], layout
+        assert all(r["outputs"] == [] for r in results[1:])  # rank 0 returns the outputs
+        for r in results:
+            assert r["verify_phases"] == [Phase.VERIFY] * len(PROMPTS)
+            assert r["verify_rel"] <= 1e-5 and r["verify_tokens_equal"], (layout, r)
+            assert all(b > 0 for b in r["bytes_per_step"])
