@@ -110,6 +110,8 @@ class LLM:
             ("page_size", page_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("context_parallel_size", context_parallel_size),
         ):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
