@@ -35,7 +35,7 @@ def _generate_and_die(rank, world):
     """Helix generation (cp = 2) whose rank 1 is killed at its fourth step; the LLM joins the group itself."""
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(parallel_test_config()).eval()
-    llm = LLM(model, context_parallel_size=2, page_size=4, max_num_seqs=2, device="cpu", dist_timeout_s=10)
+    llm = LLM(model, context_parallel_size=2, page_size=4, max_num_seqs=2, device="cpu", dist_timeout_s=4)
     if rank == 1:
         run = llm.runner.run
 
