@@ -5,7 +5,7 @@ layer (`modeling/paged_mla.py`).
 
 One `PageLedger` owns every page and every state slot, so later extensions change one place: Helix shards the
 ledger (page b of a sequence lives on rank b % cp) and speculative decoding appends 1+k tokens and then truncates
-to the accepted length.
+to the accepted length (`rollback`, which restores KDA states from the verify step's per-token states).
 """
 
 from __future__ import annotations
@@ -15,9 +15,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.launch import cdiv
-from ..modeling.batch import ForwardBatch
+from ..modeling.batch import ForwardBatch, Phase
 from ..modeling.config import KimiK3Config
 from ..modeling.paged_mla import FP8, PagedLatents, token_slots
+
+
+@dataclass
+class VerifyRecord:
+    """What one KDA layer saw of one verify group, enough to cut its state back to any prefix of the group.
+
+    context_len: cached tokens before the group. conv_before: [W-1, 3P] the conv state before it. inputs:
+    [n, 3P] the group's conv inputs. states: [n, H, K, V] fp32, the recurrent state after each of its tokens.
+    """
+
+    context_len: int
+    conv_before: torch.Tensor
+    inputs: torch.Tensor
+    states: torch.Tensor
 
 
 @dataclass
@@ -96,6 +110,8 @@ class PagedCache:
             else:
                 self.conv[i] = torch.zeros(ledger.num_slots, w - 1, 3 * h * k, dtype=dtype, device=device)
                 self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
+        # The last step's verify groups, per KDA layer and sequence (sized for that step's verify tokens only).
+        self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[N, width] int32 host page ids of the sequences (rows padded with page 0, never read); width defaults to
@@ -116,16 +132,24 @@ class PagedCache:
     def rollback(self, seq_id: int, num_keep: int) -> None:
         """Keep the first `num_keep` cached tokens of `seq_id` (after a verify step accepted fewer than it wrote).
 
-        MLA: the length shrinks; the dropped slots are overwritten by the next tokens. KDA and conv states cannot
-        be cut back from the final state alone: that needs the verify step's per-token states, which the
-        speculative decoding work adds; until then dropping tokens of a model with KDA layers raises."""
+        MLA: the length shrinks; the dropped slots are overwritten by the next tokens. KDA: the recurrent state
+        becomes the one the verify step saved after the last kept token, and the conv state the last W-1 inputs
+        up to it (`verify_records`); only the last step's verify group can be cut back, to >= 1 of its tokens."""
         blocks = self.ledger.seqs[seq_id]
         if not 0 <= num_keep <= blocks.length:
             raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
         if num_keep < blocks.length and self.conv:
-            raise NotImplementedError(
-                "rolling back KDA state needs the per-token states of the verify step (speculative decoding)"
-            )
+            for layer, conv in self.conv.items():
+                record = self.verify_records.get(layer, {}).get(seq_id)
+                kept = None if record is None else num_keep - record.context_len
+                if kept is None or not 1 <= kept <= record.inputs.shape[0]:
+                    raise ValueError(
+                        f"sequence {seq_id}: KDA state can only be cut back inside the last step's verify group "
+                        f"(to 1..{'?' if record is None else record.inputs.shape[0]} of its tokens), not to {num_keep}"
+                    )
+                window = torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :]
+                conv[blocks.slot].copy_(window)
+                self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
         blocks.length = num_keep
 
     def reset_state(self, slot: int) -> None:
@@ -167,6 +191,7 @@ class CacheView:
         self.slot_mapping = slot_mapping
         self.backend = backend
         self._batch: ForwardBatch | None = None
+        self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
 
     def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # Built once per pass and shared by the layers; a view may serve several passes (as the tests do).
@@ -194,7 +219,21 @@ class CacheView:
         """The layer's state pools and the batch's slots in them: the kernels update the pools in place."""
         return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self.state_indices
 
+    def record_verify(self, layer_idx: int, run, conv_before, inputs, states) -> None:
+        """Called by a KDA layer for a run holding verify groups: conv_before [N, W-1, 3P] of the run's sequences,
+        inputs [t, 3P] and states [t, H, K, V] in the run's packed token order."""
+        records = self.verify_records.setdefault(layer_idx, {})
+        start = 0
+        for i, (n, ctx, phase) in enumerate(zip(run.batch.seq_lens, run.batch.context_lens, run.batch.phases)):
+            if phase is Phase.VERIFY:
+                seq_id = self.seq_ids[run.seqs.start + i]
+                records[seq_id] = VerifyRecord(
+                    ctx, conv_before[i], inputs[start : start + n], states[start : start + n]
+                )
+            start += n
+
     def commit(self, batch: ForwardBatch) -> None:
-        """Record each sequence's cached length after the pass."""
+        """Record each sequence's cached length after the pass, and hand the cache this pass's verify records."""
         for seq_id, total in zip(self.seq_ids, batch.total_lens()):
             self.cache.ledger.seqs[seq_id].length = total
+        self.cache.verify_records = self.verify_records

@@ -78,6 +78,10 @@ class LLM:
             sharded in place), every rank runs `generate` and rank 0 returns the outputs (the others get []).
         dist_timeout_s: when the LLM joins the process group itself (from torchrun's environment), how long a
             collective waits for a failed or hung rank before every rank raises `RankFailureError` naming it.
+        speculative_config: None, or vLLM's spelling: `{"method": "dspark" | "ngram", "model": DRAFT_DIR,
+            "num_speculative_tokens": k, ...}` (see `kimi_helix.speculative.validator`); checked before any
+            weights load. `{"method": "custom", "num_speculative_tokens": k}` with `proposer=` runs your own.
+        proposer: a `kimi_helix.speculative.proposers.Proposer` for method "custom" (docs/speculative.md).
     """
 
     def __init__(
@@ -98,6 +102,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         context_parallel_size: int = 1,
         dist_timeout_s: float = 60.0,
+        speculative_config: dict | None = None,
+        proposer=None,
     ):
         if attention_backend is not None and attention_backend not in build_registry():
             raise ValueError(
@@ -117,6 +123,13 @@ class LLM:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.comm = None
         path = Path(model) if isinstance(model, (str, Path)) else None
+        if tensor_parallel_size * context_parallel_size > 1 and (
+            speculative_config is not None or proposer is not None
+        ):
+            raise ValueError(
+                "speculative_config / proposer cannot be combined with tensor_parallel_size * "
+                "context_parallel_size > 1 yet (drafts and KDA rollback are single-process)"
+            )
         if tensor_parallel_size * context_parallel_size > 1:
             from ..parallel.engine import parallel_model
 
@@ -125,6 +138,13 @@ class LLM:
             )
             device = device or next(model.parameters()).device
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        spec = None
+        if speculative_config is not None or proposer is not None:
+            from ..speculative.engine import check_speculative_config
+
+            spec = check_speculative_config(
+                speculative_config, model, proposer, dtype, device, kv_cache_dtype, attention_backend
+            )
         if path is not None:
             if self.comm is None:
                 model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
@@ -170,6 +190,11 @@ class LLM:
         )
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
+        self.speculative = None
+        if spec is not None:
+            from ..speculative.engine import build_speculative_decoder
+
+            self.speculative = build_speculative_decoder(spec, self, proposer)
 
     def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
         """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in
@@ -229,10 +254,14 @@ class LLM:
         start = time.perf_counter()
         if self.comm is not None:
             self.comm.reset_counters()
+        if self.speculative is not None:
+            self.speculative.propose(self.scheduler.running)
         step = self.scheduler.schedule()
         if not step.requests:
             raise RuntimeError("scheduler made no progress: no running request and none admissible")
         out = self.runner.run(step)
+        if self.speculative is not None:
+            self.speculative.observe(step)
         for r, n in zip(step.requests, step.num_tokens):
             r.num_computed += n
         # Every row a decode, a verify group or a final prefill chunk sampled from, in one batched draw.
@@ -252,8 +281,8 @@ class LLM:
         for i, (r, phase, tokens, rows) in enumerate(zip(step.requests, step.phases, step.token_ids, out.rows)):
             if phase is Phase.PREFILL and r.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(r, tokens, out.logits[rows])
-            if i in per_request:
-                new, done = self._accept(r, phase, tokens, per_request[i], out.logits[rows])
+            if i in per_request or (phase is Phase.VERIFY and self.speculative is not None):
+                new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows])
                 generated += new
                 finished += done
         self.metrics.append(
@@ -270,9 +299,11 @@ class LLM:
         )
         return finished
 
-    @staticmethod
-    def _sample_rows(request: Request, phase: Phase, rows: slice) -> range:
-        """Rows of `logits` to sample for `request`: all of a verify group, the last of a decode or final chunk."""
+    def _sample_rows(self, request: Request, phase: Phase, rows: slice) -> range:
+        """Rows of `logits` to sample for `request`: all of a verify group (none when the speculative decoder
+        verifies it), the last of a decode or final chunk."""
+        if phase is Phase.VERIFY and self.speculative is not None:
+            return range(0)
         if phase is Phase.VERIFY:
             return range(rows.start, rows.stop)
         if request.prefilling or rows.stop == rows.start:
@@ -286,13 +317,18 @@ class LLM:
         Accepting a draft exactly when the draw equals it keeps every token distributed as plain sampling would.
         The cache keeps the accepted tokens only (`PagedCache.rollback`)."""
         drafts = tokens[1:] if phase is Phase.VERIFY else []
-        accepted = 0
-        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-            accepted += 1
+        if drafts and self.speculative is not None:
+            result = self.speculative.verify(request, drafts, logits[-len(tokens) :])
+            sampled, accepted = result.tokens, result.num_accepted
+        else:
+            accepted = 0
+            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+                accepted += 1
         new = sampled[: accepted + 1]
         request.draft_token_ids = []
         appended = 0
-        first = len(logits) - len(sampled)  # the sampled rows are the last ones of the request's rows
+        # A verify group's rows are its tokens'; otherwise the sampled rows are the last of the request's rows.
+        first = 0 if phase is Phase.VERIFY else len(logits) - len(sampled)
         for j, token in enumerate(new):
             if request.params.logprobs is not None:
                 request.logprobs = request.logprobs or []
@@ -304,6 +340,8 @@ class LLM:
             keep = request.num_computed - (len(drafts) - accepted)
             self.cache.rollback(request.request_id, keep)
             request.num_computed = keep
+            if self.speculative is not None:
+                self.speculative.rollback(request, keep)
         return appended, 0
 
     def _record_prompt_logprobs(self, request: Request, tokens: list[int], logits: torch.Tensor) -> None:
@@ -353,6 +391,8 @@ class LLM:
         # Zero the state slot on release: the next sequence in it must start from an empty state.
         self.cache.reset_state(self.cache.ledger.seqs[request.request_id].slot)
         self.scheduler.finish(request, reason)
+        if self.speculative is not None:
+            self.speculative.release(request)
         return True
 
     def _output(self, r: Request) -> RequestOutput:

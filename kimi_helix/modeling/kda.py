@@ -13,7 +13,7 @@ from torch import nn
 
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
 from ..kernels.kda import kda_chunk, kda_gate, kda_recurrent
-from .batch import ForwardBatch, PhaseRun
+from .batch import ForwardBatch, Phase, PhaseRun
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
 
@@ -66,7 +66,7 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         outs = [
-            self._mix(run, qkv[run.tokens], g[run.tokens], beta[run.tokens], conv_state, state, slots[run.seqs])
+            self._mix(run, qkv[run.tokens], g[run.tokens], beta[run.tokens], conv_state, state, slots[run.seqs], cache)
             for run in batch.runs()
         ]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -74,19 +74,23 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(o, gate.view(t, h, k))
         return self.o_proj(o.reshape(t, h * k))
 
-    def _mix(self, run: PhaseRun, qkv, g, beta, conv_state, state, slots) -> torch.Tensor:
+    def _mix(self, run: PhaseRun, qkv, g, beta, conv_state, state, slots, cache=None) -> torch.Tensor:
         """Short conv and delta rule of one phase run: qkv [t, 3P], g [t, H, K], beta [t, H] -> o [t, H, V].
 
         Decodes take the one-token conv update; verify groups and prefill chunks the varlen conv. The delta rule
-        runs recurrent (token by token) for decodes and verify groups, chunked for prefill chunks."""
+        runs recurrent (token by token) for decodes and verify groups, chunked for prefill chunks. A run with
+        verify groups also hands the cache (`record_verify`, engine caches only) the conv state before the run, the
+        conv inputs and the recurrent state after every token, so a partial acceptance can be rolled back."""
         t, (h, k), cu = qkv.shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
+        record = Phase.VERIFY in run.batch.phases and hasattr(cache, "record_verify")
+        conv_before, inputs = (conv_state[slots].clone(), qkv) if record else (None, None)
         if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight(), state_indices=slots)
         else:
             qkv = causal_conv1d(qkv[None], self.conv_weight(), conv_state, True, cu, state_indices=slots)[0][0]
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         core = kda_recurrent if run.decode_path else kda_chunk
-        o, _ = core(
+        o, states = core(
             q,
             k_,
             v,
@@ -97,5 +101,8 @@ class KimiDeltaAttention(nn.Module):
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,
             state_indices=slots,
+            **({"return_intermediate_states": True} if record else {}),
         )
+        if record:
+            cache.record_verify(self.layer_idx, run, conv_before, inputs, states)
         return o[0]

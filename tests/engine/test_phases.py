@@ -141,10 +141,11 @@ def test_rejected_drafts_roll_back_and_keep_the_tokens():
     assert any(Phase.VERIFY in s for s in seen)
 
 
-def test_rejected_drafts_with_kda_layers_raise_until_kda_rollback_exists():
+def test_rejected_drafts_with_kda_layers_roll_back_the_states():
+    """KDA and conv states are cut back from the verify step's per-token states: wrong drafts change nothing."""
     model = make_model()
     (p,) = prompts([6], seed=23)
+    expected = hf_greedy(model, p, 10)
     llm = LLM(model, page_size=8)
-    with_drafts(llm, {0: [(t + 1) % 128 for t in hf_greedy(model, p, 10)]}, k=2)
-    with pytest.raises(NotImplementedError, match="rolling back KDA state needs the per-token states"):
-        llm.generate([p], GREEDY)
+    with_drafts(llm, {0: [(t + 1) % 128 for t in expected]}, k=2)
+    assert llm.generate([p], GREEDY)[0].token_ids == expected

@@ -1,0 +1,330 @@
+"""`DSparkDrafter`: DeepSpec's standalone DSpark drafter, written for kimi-helix.
+
+One forward pass drafts a whole block. The queries are the embeddings of `[anchor, MASK x (gamma - 1)]` at
+positions `anchor_pos + 0..gamma-1`; in every layer the keys and values are `[proj(h_ctx); block]`, where
+`h_ctx = RMSNorm(fc([H^(l1); ...; H^(lm)]))` fuses the captured target layers of the tokens *strictly before* the
+anchor (the anchor itself has not been through the target yet). Attention is non-causal inside the block. Slot k
+(0-based) predicts the token at `anchor_pos + k + 1`.
+
+A vanilla Markov head adds `W2(W1[x_{k-1}])` to slot k's logits (x_{-1} = the anchor), so drafts are sampled left
+to right from exact per-token distributions, and a confidence head `Linear(d + r, 1)` on `[h_k; W1[x_{k-1}]]`
+predicts slot k's acceptance given that every earlier slot was accepted.
+
+The embedding and LM head are the target's, shared and frozen: `bind_target` attaches them; they are neither
+parameters of the drafter nor saved with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+from ...modeling.checkpoint import CheckpointError
+from ...modeling.layers import RMSNorm, SwiGLU, apply_rotary
+from .config import DSparkConfig
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class DSparkOutput:
+    """Teacher-forced outputs for a batch of blocks: `logits` [..., gamma, V] (Markov-corrected) and
+    `confidence_logits` [..., gamma] (None without a confidence head)."""
+
+    logits: torch.Tensor
+    confidence_logits: torch.Tensor | None
+
+
+@dataclass
+class Draft:
+    """Sampled drafts of N requests: `tokens` [N, k] int64, `probs` [N, k, V] fp32 (the distributions the tokens
+    were drawn from, Markov-corrected and tempered; one-hot for greedy rows), `confidence` [N, k] in [0, 1] (None
+    without a confidence head)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    confidence: torch.Tensor | None
+
+
+class DSparkAttention(nn.Module):
+    """Softmax attention of the block over `[context; block]`, with per-head q/k RMSNorm and RoPE."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        d, h, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim, self.theta = h, hd, config.rope_theta
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, h * hd, bias=False)
+        self.v_proj = nn.Linear(d, h * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., C, d], positions [..., C] -> k, v [..., C, H, hd] (k normed and rotated)."""
+        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape))
+        k = apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta).view(shape)
+        return k, self.v_proj(x).view(shape)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [N, G, d] block, positions [N, G]; ctx_k/ctx_v [N, C, H, hd]; ctx_visible [N, C] bool -> [N, G, d]."""
+        n, g, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n, g, self.num_heads, self.head_dim))
+        q = apply_rotary(q.reshape(n * g, self.num_heads, -1), positions.reshape(-1), self.theta).view_as(q)
+        k_blk, v_blk = self.keys_values(x, positions)
+        k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)
+        v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
+        visible = torch.cat([ctx_visible, ctx_visible.new_ones(n, g)], dim=1)  # the whole block sees itself
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None, None, :])
+        return self.o_proj(out.transpose(1, 2).reshape(n, g, -1))
+
+
+class DSparkLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x), context)`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DSparkAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, ctx_k, ctx_v, ctx_visible):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDrafter(PreTrainedModel):
+    """The DSpark drafter; see the module docstring for the maths and `DSparkConfig` for the fields."""
+
+    config_class = DSparkConfig
+    base_model_prefix = "dspark"
+    _no_split_modules = ["DSparkLayer"]
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        d, r = config.hidden_size, config.markov_rank
+        self.fc = nn.Linear(config.num_captured_layers * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.markov_embed = nn.Embedding(config.vocab_size, r) if r else None  # W1
+        self.markov_proj = nn.Linear(r, config.vocab_size, bias=False) if r else None  # W2
+        self.confidence_head = nn.Linear(d + r, 1) if config.enable_confidence_head else None
+        self._target_io: tuple[nn.Embedding, nn.Linear] | None = None  # the target's, not registered here
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+
+    # ---------------------------------------------------------------- the target's embedding and head
+    def bind_target(self, target: nn.Module) -> None:
+        """Share the target's input embedding and LM head (frozen); raises if their shapes do not fit."""
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        want = (self.config.vocab_size, self.config.hidden_size)
+        for name, w in (("embedding", embed.weight), ("lm_head", head.weight)):
+            if tuple(w.shape) != want:
+                raise ValueError(f"target {name} is {tuple(w.shape)}, the drafter needs [vocab, d] = {list(want)}")
+        embed.weight.requires_grad_(False)
+        head.weight.requires_grad_(False)
+        self._target_io = (embed, head)
+
+    def _io(self) -> tuple[nn.Embedding, nn.Linear]:
+        if self._target_io is None:
+            raise RuntimeError("DSparkDrafter needs the target's embedding and LM head: call bind_target(target)")
+        return self._target_io
+
+    # ---------------------------------------------------------------- pieces shared by training and drafting
+    def context_keys_values(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the injected context keys/values of captured target features.
+
+        features [..., C, m*d] (captured layers concatenated in `target_layer_ids` order), positions [..., C]
+        -> per layer (k, v), each [..., C, H, hd].
+        """
+        h_ctx = self.hidden_norm(self.fc(features))
+        return [layer.self_attn.keys_values(h_ctx, positions) for layer in self.layers]
+
+    def backbone(
+        self,
+        block_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        ctx: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_positions: torch.Tensor,
+        ctx_valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """block_ids [N, G] (`[anchor, MASK...]`), anchor_positions [N]; ctx per layer (k, v) [N, C, H, hd] with
+        ctx_positions / ctx_valid [N, C] -> final-normed hidden states [N, G, d]. Context rows at or after the
+        anchor's position are masked out."""
+        g = block_ids.shape[1]
+        positions = anchor_positions[:, None] + torch.arange(g, device=block_ids.device)
+        visible = ctx_valid & (ctx_positions < anchor_positions[:, None])
+        x = self._io()[0](block_ids)
+        for layer, (k, v) in zip(self.layers, ctx, strict=True):
+            x = layer(x, positions, k, v, visible)
+        return self.norm(x)
+
+    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """prev_ids [...] -> W2(W1[prev]) [..., V], or None without a Markov head."""
+        return None if self.markov_embed is None else self.markov_proj(self.markov_embed(prev_ids))
+
+    def confidence_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """hidden [..., d], prev_ids [...] -> logit of c_k [...] (None without a confidence head)."""
+        if self.confidence_head is None:
+            return None
+        feats = hidden if self.markov_embed is None else torch.cat([hidden, self.markov_embed(prev_ids)], -1)
+        return self.confidence_head(feats).squeeze(-1).float()
+
+    # ---------------------------------------------------------------- training (teacher-forced)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        target_features: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        **kwargs,
+    ) -> DSparkOutput:
+        """Teacher-forced blocks at A anchors of B sequences.
+
+        Args:
+            input_ids: [B, S] the sequences.
+            target_features: [B, S, m*d] captured target layers per token.
+            anchor_positions: [B, A] anchors, each with `anchor + block_size < S` (every label exists).
+
+        Returns `DSparkOutput` with logits [B, A, G, V] and confidence logits [B, A, G]; slot k's label is
+        `labels_for(input_ids, anchor_positions)[..., k] = input_ids[anchor + k + 1]`.
+        """
+        b, s = input_ids.shape
+        a, g = anchor_positions.shape[1], self.config.block_size
+        labels = self.labels_for(input_ids, anchor_positions)
+        anchors = input_ids.gather(1, anchor_positions)
+        block = torch.full((b, a, g), self.config.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        block[..., 0] = anchors
+        ctx_pos = torch.arange(s, device=input_ids.device).expand(b, s)
+        ctx = [
+            tuple(t[:, None].expand(b, a, *t.shape[1:]).reshape(b * a, *t.shape[1:]) for t in kv)
+            for kv in self.context_keys_values(target_features, ctx_pos)
+        ]
+        pos = ctx_pos[:, None].expand(b, a, s).reshape(b * a, s)
+        hidden = self.backbone(
+            block.view(b * a, g), anchor_positions.reshape(-1), ctx, pos, torch.ones_like(pos, dtype=torch.bool)
+        )
+        hidden = hidden.view(b, a, g, -1)
+        prev = torch.cat([anchors[..., None], labels[..., :-1]], dim=-1)
+        logits = self._io()[1](hidden).float()
+        bias = self.markov_bias(prev)
+        if bias is not None:
+            logits = logits + bias.float()
+        return DSparkOutput(logits, self.confidence_logits(hidden, prev))
+
+    def labels_for(self, input_ids: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
+        """[B, A, G]: slot k of the block at anchor p is labelled with `input_ids[p + k + 1]`."""
+        g, s = self.config.block_size, input_ids.shape[1]
+        idx = anchor_positions[..., None] + 1 + torch.arange(g, device=input_ids.device)
+        if int(idx.max()) >= s or int(anchor_positions.min()) < 0:
+            raise ValueError(f"anchors must satisfy 0 <= anchor and anchor + block_size ({g}) < seq_len ({s})")
+        return input_ids[:, None, :].expand(-1, idx.shape[1], -1).gather(2, idx)
+
+    # ---------------------------------------------------------------- drafting
+    @torch.no_grad()
+    def draft(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        ctx: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_valid: torch.Tensor,
+        num_tokens: int,
+        temperatures: list[float],
+        generators: list[torch.Generator | None],
+    ) -> Draft:
+        """Draft `num_tokens` (<= block_size) tokens for N requests, left to right through the Markov head.
+
+        anchor_ids, anchor_positions [N]; ctx per layer (k, v) [N, C, H, hd] of the tokens before each anchor at
+        positions 0..C-1 (ctx_valid [N, C] marks the real rows). Rows with temperature < 1e-5 draft greedily.
+        """
+        from ...engine.sampling import GREEDY_TEMPERATURE
+
+        n, g = anchor_ids.shape[0], self.config.block_size
+        if not 1 <= num_tokens <= g:
+            raise ValueError(f"num_tokens must be in 1..block_size={g}, got {num_tokens}")
+        block = torch.full((n, g), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        block[:, 0] = anchor_ids
+        ctx_pos = torch.arange(ctx_valid.shape[1], device=anchor_ids.device).expand_as(ctx_valid)
+        hidden = self.backbone(block, anchor_positions, ctx, ctx_pos, ctx_valid)[:, :num_tokens]
+        base = self._io()[1](hidden).float()
+        tokens = torch.empty(n, num_tokens, dtype=torch.long, device=anchor_ids.device)
+        probs = torch.empty_like(base)
+        conf = [] if self.confidence_head is not None else None
+        prev = anchor_ids
+        for k in range(num_tokens):
+            logits = base[:, k]
+            bias = self.markov_bias(prev)
+            if bias is not None:
+                logits = logits + bias.float()
+            if conf is not None:
+                conf.append(torch.sigmoid(self.confidence_logits(hidden[:, k], prev)))
+            for i in range(n):
+                if temperatures[i] < GREEDY_TEMPERATURE:
+                    tokens[i, k] = logits[i].argmax()
+                    probs[i, k] = F.one_hot(tokens[i, k], logits.shape[-1]).float()
+                else:
+                    probs[i, k] = torch.softmax(logits[i] / temperatures[i], dim=-1)
+                    tokens[i, k] = torch.multinomial(probs[i, k], 1, generator=generators[i])[0]
+            prev = tokens[:, k]
+        return Draft(tokens, probs, None if conf is None else torch.stack(conf, dim=1))
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """Write config.json and model.safetensors (the shared embedding and LM head are the target's: not saved)."""
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(path)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> DSparkDrafter:
+        """Load a local drafter folder (config.json + model.safetensors; no remote code, no pickles).
+
+        Keyword args: `dtype` (torch dtype), `device`. Raises `CheckpointError` naming missing, unexpected or
+        wrong-shape tensors. Call `bind_target` before use.
+        """
+        path = Path(pretrained_model_name_or_path)
+        if model_args:
+            raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
+        if not (path / WEIGHTS_FILE).is_file():
+            raise CheckpointError(
+                f"{path} has no {WEIGHTS_FILE}; a drafter folder holds config.json and {WEIGHTS_FILE}"
+            )
+        config = kwargs.pop("config", None) or DSparkConfig.from_pretrained(path)
+        model = cls(config)
+        state = load_file(str(path / WEIGHTS_FILE))
+        own = model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        wrong = [k for k in set(own) & set(state) if own[k].shape != state[k].shape]
+        if missing or unexpected or wrong:
+            raise CheckpointError(
+                f"drafter checkpoint {path}: missing {missing}, unexpected {unexpected}, wrong shape {sorted(wrong)}"
+            )
+        model.load_state_dict(state)
+        dtype, device = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None), kwargs.pop("device", None)
+        return model.to(device=device, dtype=dtype).eval()

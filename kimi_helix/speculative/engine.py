@@ -1,0 +1,212 @@
+"""`SpeculativeDecoder`: what `LLM` calls around each step when speculative decoding is on.
+
+Before a step it asks the proposer for drafts for every decoding request (`Request.draft_token_ids`, which the
+scheduler turns into a verify group). After the runner it feeds the proposer the captured target features of
+every token the step ran, verifies each verify group (greedy exact match, or rejection sampling against the
+draft distributions), and after the engine rolls the cache back it crops the proposer's context the same way.
+It also keeps the acceptance metrics: tau (tokens per verify round, the bonus included) and acceptance by
+position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..kernels.backends import dtype_name
+from ..modeling.config import KimiK3Config
+from .dspark.capture import TargetFeatureCapture
+from .dspark.config import DSparkConfig
+from .dspark.model import DSparkDrafter
+from .proposers import DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
+from .scheduling import StepRateTable, cached_step_rate, confidence_schedule, profile_step_rate
+from .validator import Reason, SpeculativeConfig, UnsupportedConfigError, validate_speculative_config
+from .verification import VerifyResult, verify
+
+
+@dataclass
+class SpeculativeMetrics:
+    """rounds: verify rounds; emitted: tokens they emitted (accepted drafts + 1 each); proposed: drafts verified;
+    accepted_at[j]: rounds whose draft j was accepted; proposed_at[j]: rounds that verified a draft j."""
+
+    rounds: int = 0
+    emitted: int = 0
+    proposed: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify round, the bonus (or correction) token included."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.emitted += num_accepted + 1
+        self.proposed += num_drafts
+        grow = num_drafts - len(self.proposed_at)
+        if grow > 0:
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for j in range(num_drafts):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < num_accepted
+
+
+class SpeculativeDecoder:
+    """Drives a `Proposer` for an engine whose target is `model`, drafting `num_tokens` per request and step.
+
+    With a `step_rate` table each step verifies the drafts Algorithm 1 admits from the proposals' confidences
+    (`scheduling.confidence_schedule`); without one, every proposed draft (fixed k)."""
+
+    def __init__(self, model, proposer: Proposer, num_tokens: int, step_rate: StepRateTable | None = None):
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.step_rate = step_rate
+        self.metrics = SpeculativeMetrics()
+        self._proposals: dict[int, Proposal] = {}
+        self.capture = (
+            TargetFeatureCapture(model, proposer.target_layer_ids).attach() if proposer.target_layer_ids else None
+        )
+
+    def propose(self, requests: Sequence) -> None:
+        """Give every decoding request (its prompt done) drafts for the next step."""
+        ready = [r for r in requests if not r.prefilling and r.num_computed == len(r.token_ids) - 1]
+        limit = {r.request_id: min(self.num_tokens, r.params.max_tokens - len(r.output_ids) - 1) for r in ready}
+        ready = [r for r in ready if limit[r.request_id] > 0]
+        asks = [
+            ProposalRequest(r.request_id, r.token_ids, limit[r.request_id], r.params.temperature, r.generator)
+            for r in ready
+        ]
+        proposals = self.proposer.propose(asks)
+        lengths = [len(p.token_ids) for p in proposals]
+        if self.step_rate is not None:
+            lengths = confidence_schedule([p.confidence or [] for p in proposals], self.step_rate)
+        for r, proposal, n in zip(ready, proposals, lengths):
+            self._proposals[r.request_id] = proposal
+            r.draft_token_ids = list(proposal.token_ids[:n])
+
+    def observe(self, step) -> None:
+        """Hand the proposer the captured features of every token of `step` (call right after the runner)."""
+        if self.capture is None:
+            return
+        features = self.capture.pop()
+        start = 0
+        for r, n in zip(step.requests, step.num_tokens):
+            self.proposer.observe(r.request_id, r.num_computed, features[start : start + n])
+            start += n
+
+    def verify(self, request, drafts: list[int], logits: torch.Tensor) -> VerifyResult:
+        """Verify one request's verify group: drafts (the k the scheduler kept) and its k+1 logit rows."""
+        proposal = self._proposals.pop(request.request_id, None)
+        probs = None if proposal is None or proposal.probs is None else proposal.probs[: len(drafts)]
+        result = verify(drafts, probs, logits, request.params, request.generator)
+        self.metrics.add(len(drafts), result.num_accepted)
+        return result
+
+    def rollback(self, request, num_keep: int) -> None:
+        self.proposer.rollback(request.request_id, num_keep)
+
+    def release(self, request) -> None:
+        self._proposals.pop(request.request_id, None)
+        self.proposer.release(request.request_id)
+
+
+def _target_config(model):
+    """The target's config without loading weights: a loaded model's, or a checkpoint folder's config.json."""
+    if isinstance(model, (str, Path)):
+        return KimiK3Config.from_pretrained(Path(model))
+    return model.config
+
+
+def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtype, attention_backend):
+    """Validate `spec` for `LLM` before any weights load (reads the target's and the drafter's config.json only).
+
+    Returns the `SpeculativeConfig`; raises `UnsupportedConfigError` with every reason."""
+    spec = dict(spec or {})
+    if proposer is not None and spec.get("method") != "custom":
+        raise UnsupportedConfigError([Reason("method", "a proposer= is given", "method='custom'")])
+    if spec.get("method") == "custom" and proposer is None:
+        raise UnsupportedConfigError([Reason("method", "'custom' needs proposer=", "LLM(..., proposer=...)")])
+    if attention_backend is not None:
+        spec.setdefault("attention_backend", attention_backend)
+    target = _target_config(model)
+    drafter = None
+    if spec.get("method") == "dspark" and spec.get("model") is not None:
+        folder = Path(spec["model"])
+        if not (folder / "config.json").is_file():
+            raise UnsupportedConfigError([Reason("model", f"{folder} has no config.json", "a drafter folder")])
+        drafter = DSparkConfig.from_pretrained(folder)
+    if dtype is None:
+        dtype = model.dtype if not isinstance(model, (str, Path)) else getattr(target, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    kv = "fp8_e4m3" if kv_cache_dtype == "fp8_e4m3" else dtype_name(dtype)
+    return validate_speculative_config(
+        spec,
+        target,
+        drafter,
+        device=device.type,
+        dtype=dtype_name(dtype),
+        kv_dtype=kv,
+        custom_proposer=proposer is not None,
+    )
+
+
+def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> SpeculativeDecoder:
+    """The proposer `spec` names (the given one for "custom"), wired to `llm`'s loaded target; with confidence
+    scheduling, the verify step's rate table, profiled on `llm` now (or read from `spec.step_rate_table`)."""
+    model = llm.model
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "dspark":
+        drafter = DSparkDrafter.from_pretrained(spec.model, dtype=model.dtype, device=llm.device)
+        drafter.bind_target(model)
+        proposer = DSparkProposer(drafter)
+    rate = None
+    if spec.confidence_scheduling:
+        group = spec.num_speculative_tokens + 1
+        ledger = llm.cache.ledger
+        seqs = min(llm.scheduler.max_num_seqs, ledger.num_slots, ledger.num_pages // ledger.pages_for(group))
+        limit = min(llm.scheduler.max_num_batched_tokens, seqs * group)
+        sizes = sorted({1, limit, *(2**i for i in range(limit.bit_length()) if 2**i <= limit)})
+        step = verify_step(llm, group)
+        sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
+        if spec.step_rate_table is None:
+            rate = profile_step_rate(step, sizes, synchronize=sync)
+        else:
+            c = model.config
+            key = f"{c.model_type}-L{c.num_hidden_layers}-d{c.hidden_size}-{llm.device.type}-{model.dtype}-g{group}"
+            rate = cached_step_rate(spec.step_rate_table, key, step, sizes, synchronize=sync)
+    return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens, rate)
+
+
+def verify_step(llm, group: int):
+    """A step callable for `profile_step_rate`: one runner step of `tokens` tokens in verify groups of `group`
+    (the last one shorter) over fresh zero-context sequences, admitted and released around it."""
+    from ..engine.sampling import SamplingParams
+    from ..engine.scheduler import Request, ScheduledStep
+    from ..modeling.batch import Phase
+
+    def step(tokens: int) -> None:
+        sizes = [group] * (tokens // group) + ([tokens % group] if tokens % group else [])
+        reqs = [Request(-1 - i, None, [0], SamplingParams(max_tokens=group), None) for i in range(len(sizes))]
+        ledger = llm.cache.ledger
+        for r in reqs:
+            ledger.admit(r.request_id, group)
+        try:
+            phases = [Phase.VERIFY if n > 1 else Phase.DECODE for n in sizes]
+            llm.runner.run(ScheduledStep(reqs, phases, [[0] * n for n in sizes]))
+        finally:
+            for r in reqs:
+                llm.cache.reset_state(ledger.seqs[r.request_id].slot)
+                ledger.release(r.request_id)
+        llm.cache.verify_records = {}
+
+    return step

@@ -1,0 +1,158 @@
+"""`LLM(speculative_config=...)`: greedy speculative output equals plain greedy token for token on a random tiny
+model with KDA layers, with partial acceptance forced at every position, verify groups straddling pages, and
+batches mixing speculative and plain requests; the validator runs before any weights load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kimi_helix.engine import LLM, SamplingParams
+from kimi_helix.modeling import KimiK3ForCausalLM
+from kimi_helix.presets import get_preset
+from kimi_helix.speculative import UnsupportedConfigError
+from kimi_helix.speculative.dspark import DSparkDrafter
+from kimi_helix.speculative.proposers import Proposal, Proposer
+
+from .conftest import tiny_drafter_config
+
+GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
+PAGE = 4  # verify groups of up to 6 tokens always straddle 4-token pages
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = KimiK3ForCausalLM(get_preset("tiny")).eval()
+    assert "linear_attention" in m.config.layer_types
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 3, 8)]
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    return [o.token_ids for o in LLM(model, page_size=PAGE).generate(prompts, GREEDY)]
+
+
+class OracleProposer(Proposer):
+    """Proposes the true greedy continuation with one wrong token at a position that cycles through 0..k (k: all
+    right), so every acceptance length 0..k occurs; requests in `plain_ids` get no drafts (plain decodes)."""
+
+    name = "oracle"
+
+    def __init__(self, oracle, plain_ids=(), vocab=256):
+        self.oracle, self.plain_ids, self.vocab, self.rounds = oracle, set(plain_ids), vocab, {}
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            if r.seq_id in self.plain_ids:
+                out.append(Proposal([]))
+                continue
+            done = len(r.token_ids) - len(self.oracle[r.seq_id]["prompt"])
+            drafts = self.oracle[r.seq_id]["out"][done : done + r.num_tokens]
+            bad = self.rounds.get(r.seq_id, 0) % (r.num_tokens + 1)
+            self.rounds[r.seq_id] = self.rounds.get(r.seq_id, 0) + 1
+            out.append(Proposal([(t + 1) % self.vocab if j == bad else t for j, t in enumerate(drafts)]))
+        return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_forced_partial_acceptance_equals_plain_greedy(model, prompts, plain, k):
+    oracle = {i: {"prompt": p, "out": o} for i, (p, o) in enumerate(zip(prompts, plain))}
+    proposer = OracleProposer(oracle, plain_ids={2})
+    llm = LLM(
+        model,
+        page_size=PAGE,
+        speculative_config={"method": "custom", "num_speculative_tokens": k},
+        proposer=proposer,
+    )
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    m = llm.speculative.metrics
+    assert m.rounds > 0 and len(m.acceptance_by_position) == k
+    # every position was both accepted and rejected at least once
+    assert all(0 < a < 1 for a in m.acceptance_by_position)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_equals_plain_greedy(model, prompts, plain, k):
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(model, page_size=PAGE, speculative_config=spec)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert llm.speculative.metrics.rounds > 0
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(model, tmp_path_factory):
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("drafter")
+    DSparkDrafter(tiny_drafter_config(block_size=5)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_dspark_greedy_equals_plain_greedy(model, prompts, plain, drafter_dir, k):
+    spec = {"method": "dspark", "model": str(drafter_dir), "num_speculative_tokens": k}
+    llm = LLM(model, page_size=PAGE, speculative_config=spec)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    m = llm.speculative.metrics
+    assert m.rounds > 0 and m.tau >= 1.0
+
+
+def test_dspark_sampling_is_seeded(model, prompts, drafter_dir):
+    spec = {"method": "dspark", "model": str(drafter_dir), "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    runs = [
+        [o.token_ids for o in LLM(model, page_size=PAGE, speculative_config=spec).generate(prompts, params)]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
+
+
+def test_validator_runs_before_any_weights_load(tmp_path, drafter_dir):
+    get_preset("tiny").save_pretrained(tmp_path)  # config.json only: loading weights would fail differently
+    assert not any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
+    spec = {"method": "dspark", "model": str(drafter_dir), "num_speculative_tokens": 9}
+    with pytest.raises(UnsupportedConfigError, match="num_speculative_tokens"):
+        LLM(tmp_path, device="cpu", speculative_config=spec)
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    assert cfg["model_type"] == "dspark"
+    with pytest.raises(UnsupportedConfigError, match="proposer="):
+        LLM(tmp_path, device="cpu", speculative_config={"method": "custom", "num_speculative_tokens": 2})
+
+
+def test_kda_state_cannot_be_cut_outside_the_last_verify_group(model):
+    llm = LLM(model, page_size=PAGE)
+    request = llm._make_request(list(range(1, 8)), SamplingParams(max_tokens=5, temperature=0.0))
+    llm.scheduler.add(request)
+    llm.step()  # the prefill: no verify group to cut back into
+    with pytest.raises(ValueError, match="inside the last step's verify group"):
+        llm.cache.rollback(request.request_id, 3)
+
+
+def test_confidence_scheduling_keeps_greedy_output_and_caches_its_table(model, prompts, plain, drafter_dir, tmp_path):
+    table = tmp_path / "sps.json"
+    spec = {
+        "method": "dspark",
+        "model": str(drafter_dir),
+        "num_speculative_tokens": 5,
+        "confidence_scheduling": True,
+        "step_rate_table": str(table),
+    }
+    llm = LLM(model, page_size=PAGE, max_num_batched_tokens=8, speculative_config=spec)
+    saved = json.loads(table.read_text())
+    assert saved["batch_tokens"][0] == 1 and saved["batch_tokens"][-1] == 8 and all(s > 0 for s in saved["steps_per_s"])
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert llm.speculative.metrics.rounds > 0
+    table.write_text(json.dumps({**saved, "steps_per_s": [1.0] * len(saved["batch_tokens"])}))
+    again = LLM(model, page_size=PAGE, max_num_batched_tokens=8, speculative_config=spec)
+    assert again.speculative.step_rate.steps_per_s == [1.0] * len(saved["batch_tokens"])  # read, not re-profiled
+    # A flat table makes every draft pay off: the verify lengths are then the proposals' own.
+    assert [o.token_ids for o in again.generate(prompts, GREEDY)] == plain
