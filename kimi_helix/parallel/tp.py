@@ -148,7 +148,7 @@ def load_sharded(path, mapping: Mapping, *, dtype=None, device="cpu", cls=None):
 
     cls = cls or KimiK3ForCausalLM
     path = ckpt._resolve_dir(Path(path))
-    config = ckpt._read_config(path)
+    config = ckpt.read_config(path)
     mapping.validate(config)
     dtype = ckpt._resolve_dtype(dtype, ckpt._shard_files(path), config)
     with torch.device("meta"):
@@ -160,7 +160,7 @@ def load_sharded(path, mapping: Mapping, *, dtype=None, device="cpu", cls=None):
         for name, shard in plan.items():
             if shard is not None:
                 _set_param(model, name, nn.Parameter(torch.empty(shard.shape(full[name].shape)), requires_grad=False))
-    ckpt._materialize(model, dtype, torch.device(device), cls._keep_in_fp32_modules_strict)
+    ckpt._materialize(model, dtype, lambda name: torch.device(device), cls._keep_in_fp32_modules_strict)
     local = dict(ckpt._own_params(model))
     seen: set[str] = set()
     with torch.no_grad():
