@@ -95,6 +95,7 @@ class PagedCache:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
         self.ledger = ledger
         self.fp8 = kv_cache_dtype == "fp8_e4m3"
+        self.mla_attend = None  # set by Helix: MLA maths across cp ranks (`PagedLatents.attend`)
         n, ps, d = ledger.num_pages, ledger.page_size, config.mla_cache_dim
         h, k, w = config.kda_num_heads, config.kda_head_dim, config.conv_kernel_size
         self.pages: dict[int, torch.Tensor] = {}
@@ -211,6 +212,7 @@ class CacheView:
             cache_seqlens=cache_seqlens,
             slot_mapping=slot_mapping,
             backend=self.backend,
+            attend=self.cache.mla_attend,
         )
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):

@@ -52,6 +52,7 @@ class StepMetrics:
     running: int
     waiting: int
     pages_in_use: int
+    bytes_sent: int = 0  # what this rank sent to other ranks in the step (tensor / context parallelism)
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -75,6 +76,11 @@ class LLM:
             $KIMI_HELIX_KERNEL_BACKEND). The choice is set on the model, so its own `generate` follows it too.
         num_pages: cache pages; default sized from free GPU memory, or for 8 full-length sequences on CPU.
         max_num_batched_tokens: token budget per step (chunked prefill); default 2048.
+        tensor_parallel_size, context_parallel_size: tp and Helix cp (`kimi_helix.parallel`); with tp * cp > 1
+            every rank of a torchrun launch builds the LLM (a directory is read slice by slice, a model object is
+            sharded in place), every rank runs `generate` and rank 0 returns the outputs (the others get []).
+        dist_timeout_s: when the LLM joins the process group itself (from torchrun's environment), how long a
+            collective waits for a failed or hung rank before every rank raises `RankFailureError` naming it.
         speculative_config: None, or vLLM's spelling: `{"method": "dspark" | "ngram", "model": DRAFT_DIR,
             "num_speculative_tokens": k, ...}` (see `kimi_helix.speculative.validator`); checked before any
             weights load. `{"method": "custom", "num_speculative_tokens": k}` with `proposer=` runs your own.
@@ -97,6 +103,9 @@ class LLM:
         num_pages: int | None = None,
         max_num_batched_tokens: int = 2048,
         tokenizer=None,
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        dist_timeout_s: float = 60.0,
         speculative_config: dict | None = None,
         proposer=None,
     ):
@@ -107,9 +116,27 @@ class LLM:
             ("page_size", page_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("context_parallel_size", context_parallel_size),
         ):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.comm = None
+        path = Path(model) if isinstance(model, (str, Path)) else None
+        if tensor_parallel_size * context_parallel_size > 1 and (
+            speculative_config is not None or proposer is not None
+        ):
+            raise ValueError(
+                "speculative_config / proposer cannot be combined with tensor_parallel_size * "
+                "context_parallel_size > 1 yet (drafts and KDA rollback are single-process)"
+            )
+        if tensor_parallel_size * context_parallel_size > 1:
+            from ..parallel.engine import parallel_model
+
+            model, self.comm = parallel_model(
+                model, tensor_parallel_size, context_parallel_size, dtype=dtype, device=device, timeout_s=dist_timeout_s
+            )
+            device = device or next(model.parameters()).device
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         spec = None
         if speculative_config is not None or proposer is not None:
@@ -118,9 +145,9 @@ class LLM:
             spec = check_speculative_config(
                 speculative_config, model, proposer, dtype, device, kv_cache_dtype, backends.attention
             )
-        if isinstance(model, (str, Path)):
-            path = Path(model)
-            model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        if path is not None:
+            if self.comm is None:
+                model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
                 from transformers import AutoTokenizer
 
@@ -135,8 +162,23 @@ class LLM:
         self.max_model_len = max_model_len or min(config.model_max_length, 8192)
         if num_pages is None:
             num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
-        ledger = PageLedger(num_pages, page_size, max_num_seqs)
-        self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
+        if self.comm is None:
+            ledger = PageLedger(num_pages, page_size, max_num_seqs)
+            self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
+        else:
+            from ..parallel.helix import helix_cache
+
+            self.cache = helix_cache(
+                config,
+                self.comm,
+                num_pages,
+                page_size,
+                max_num_seqs,
+                self.model.dtype,
+                device,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+            ledger = self.cache.ledger
         self.scheduler = Scheduler(ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
@@ -197,14 +239,19 @@ class LLM:
         for request in requests:
             self.scheduler.add(request)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        show = show and (self.comm is None or self.comm.mapping.rank == 0)
         with tqdm(total=len(requests), desc="generate", unit="req", disable=not show) as bar:
             while self.scheduler.has_work:
                 bar.update(self.step())
+        if self.comm is not None and self.comm.mapping.rank != 0:
+            return []
         return [self._output(r) for r in requests]
 
     def step(self) -> int:
         """One step: schedule -> runner -> sample -> append. Returns how many requests finished."""
         start = time.perf_counter()
+        if self.comm is not None:
+            self.comm.reset_counters()
         if self.speculative is not None:
             self.speculative.propose(self.scheduler.running)
         step = self.scheduler.schedule()
@@ -222,7 +269,10 @@ class LLM:
         if draws:
             picked = [step.requests[i] for i, _ in draws]
             rows = out.logits[torch.tensor([j for _, j in draws], device=out.logits.device)]
-            sampled = sample(rows, [r.params for r in picked], [r.generator for r in picked]).tolist()
+            sampled = sample(rows, [r.params for r in picked], [r.generator for r in picked])
+            if self.comm is not None:  # every rank continues with rank 0's draws (unseeded RNGs differ)
+                sampled = self.comm.broadcast(sampled)
+            sampled = sampled.tolist()
             for (i, _), token in zip(draws, sampled):
                 per_request.setdefault(i, []).append(token)
         finished = generated = 0
@@ -242,6 +292,7 @@ class LLM:
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 pages_in_use=self.scheduler.ledger.pages_in_use,
+                bytes_sent=sum(self.comm.bytes_sent.values()) if self.comm is not None else 0,
             )
         )
         return finished

@@ -12,6 +12,7 @@ token's slot. The maths lives here, next to the layer; the caches only own stora
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ class PagedLatents:
         cache_seqlens: [N] int32 cached tokens per sequence including this step's new ones.
         slot_mapping: [T] int64 flat slot (page * page_size + offset) of each new token, in packed order.
         backend: the attention backend to force (None: automatic).
+        attend: replaces the maths below when set (Helix context parallelism, `parallel/helix.py`): called as
+            `attend(module, q, latent, batch, kv)`, it stores and attends itself.
     """
 
     pages: torch.Tensor
@@ -43,6 +46,7 @@ class PagedLatents:
     cache_seqlens: torch.Tensor
     slot_mapping: torch.Tensor
     backend: str | None = None
+    attend: Callable | None = None
 
     @property
     def page_size(self) -> int:
@@ -102,6 +106,8 @@ def paged_mla_attention(module, q: torch.Tensor, latent: torch.Tensor, batch: Fo
 
     `module` is the `MLAttention` layer (its `kv_b_proj` weight, head dims and softmax scale).
     """
+    if kv.attend is not None:
+        return kv.attend(module, q, latent, batch, kv)
     store_latents(kv, latent)
     runs = batch.runs()
     outs = [(_decode if run.decode_path else _prefill)(module, q[run.tokens], run, kv) for run in runs]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import AttentionRequest, dtype_name, select
+from .combine import combine_partials, combine_partials_ref, sanitize_empty  # noqa: F401 (public op)
 
 
 def mla_decode(
