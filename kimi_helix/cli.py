@@ -457,13 +457,13 @@ def _gpu_mem(value: str) -> int:
         number = None
     if number is not None and math.isfinite(number) and number >= MAX_BARE_GIB:
         raise UsageError(
-            f"--gpu-mem {value}: a number without a unit is GiB, and {value} GiB is not a GPU; write {value}B for "
+            f"--gpu-mem: a number without a unit is GiB, and {value} GiB is not a GPU; write {value}B for "
             "bytes or add a unit (141GB, 141GiB)"
         )
     try:
         return parse_bytes(value, bare_unit="GiB")
     except ValueError as err:
-        raise UsageError(f"--gpu-mem {value}: {err}") from err
+        raise UsageError(f"--gpu-mem: {err}") from err
 
 
 def _device(name: str | None) -> torch.device:
