@@ -371,6 +371,8 @@ def _read_config(path: Path) -> KimiK3Config:
 
 def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device):
     """The model and tokenizer in the folder `path`; every way the folder can be wrong is one `UsageError` line."""
+    from safetensors import SafetensorError
+
     from kimi_helix.modeling.model import KimiK3ForCausalLM
     from kimi_helix.tokenizer import TokenizerLoadError, load_tokenizer
 
@@ -381,7 +383,7 @@ def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device
         raise UsageError(f"--model {path}: {err}") from err
     try:
         model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError; an unreadable shard an OSError
+    except (ValueError, OSError, SafetensorError) as err:  # CheckpointError is a ValueError
         raise UsageError(f"--model {path}: {err}") from err
     return model.eval(), tokenizer
 
