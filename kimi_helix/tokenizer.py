@@ -62,7 +62,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             raise TokenizerLoadError(
                 f"{path / name} has an auto_map that points at Python code in the folder ({auto_map!r}); kimi_helix "
                 "runs no code from a checkpoint (trust_remote_code=False). Load a tokenizer you trust yourself and "
-                "pass it in (LLM(..., tokenizer=...)), or use a folder whose tokenizer is tokenizer.json only"
+                "pass it in (LLM(..., tokenizer=...)), or use a folder whose tokenizer is data only (no auto_map)"
             )
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
