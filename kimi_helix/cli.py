@@ -366,7 +366,7 @@ def _read_config(path: Path) -> KimiK3Config:
     try:
         return read_checkpoint_config(path)
     except ValueError as err:  # CheckpointError, the config's own field errors, bad JSON
-        raise UsageError(f"--model {path / 'config.json'}: {err}") from err
+        raise UsageError(f"--model {path}: {err}") from err
 
 
 def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device):

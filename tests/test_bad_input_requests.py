@@ -47,7 +47,7 @@ CLI_ROWS = [
     (GEN + ["--max-new-tokens", "two"], {}, SystemExit, "argument --max-new-tokens: invalid int value: 'two'"),
     (GEN, {"KIMI_HELIX_KERNEL_BACKEND": "cudnn"}, UsageError, "KIMI_HELIX_KERNEL_BACKEND='cudnn' is not a backend"),
     (GEN, {"KIMI_HELIX_ATTENTION_BACKEND": "flash"}, UsageError, "KIMI_HELIX_ATTENTION_BACKEND='flash'"),
-    (["info", "--model", "{bad_json}"], {}, UsageError, "config.json: Expecting"),
+    (["info", "--model", "{bad_json}"], {}, UsageError, "Expecting property name"),
     (["info", "--model", "{llama}"], {}, UsageError, "model_type is 'llama'"),
     (["info", "--preset", "nope"], {}, UsageError, "--preset 'nope' is not a preset"),
     (["plan", "--model", "{llama}", "--gpu-mem", "80GB"], {}, UsageError, "model_type is 'llama'"),
