@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import kimi_helix
 from kimi_helix import KimiK3ForCausalLM, cli
 from kimi_helix.cli import main
 from kimi_helix.modeling.accounting import count_parameters
@@ -345,3 +346,18 @@ def test_unknown_backend_variable_is_named(capsys, monkeypatch):
     code, _, err = run(capsys, "generate", "--prompt", "x", "--max-new-tokens", "1")
     assert code == 2
     assert "KIMI_HELIX_KERNEL_BACKEND='cudnn' is not a backend; use one of torch, triton" in err
+
+
+@pytest.mark.skipif(
+    not hasattr(kimi_helix, "__getattr__"), reason="kimi_helix/__init__.py imports the models eagerly (not lazy)"
+)
+def test_python_m_kimi_helix_help_does_not_import_torch():
+    code = (
+        "import runpy, sys; sys.argv = ['kimi-helix', '--help']\n"
+        "try:\n    runpy.run_module('kimi_helix', run_name='__main__')\nexcept SystemExit as exit_:\n"
+        "    assert not exit_.code\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
