@@ -198,32 +198,34 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from kimi_helix.kernels.backends import BackendUnavailableError
+    from kimi_helix.tokenizer import build_byte_tokenizer
 
     device = _device(args.device)
     dtype = _dtype(args.dtype) if args.dtype else None
+    # Config and tokenizer first: a prompt that cannot fit is refused before any weights are read.
     if args.model is not None:
-        model, tokenizer = _load_checkpoint(args.model, dtype, device)
+        config, tokenizer = _read_config(args.model), _checkpoint_tokenizer(args.model)
     else:
-        from kimi_helix.tokenizer import build_byte_tokenizer
-
         if args.preset is None:
             print(
                 "kimi-helix: no --model or --preset given; using a randomly initialised 'tiny' model, so the "
                 "continuation is noise",
                 file=sys.stderr,
             )
-        model = _random_model(_preset(args.preset or "tiny"), args.seed, dtype or torch.float32, device)
-        tokenizer = build_byte_tokenizer()
-
+        config, tokenizer = _preset(args.preset or "tiny"), build_byte_tokenizer()
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     if input_ids.shape[1] == 0:
         raise UsageError("--prompt must not be empty")
-    limit = model.config.model_max_length
+    limit = config.model_max_length
     if input_ids.shape[1] + args.max_new_tokens > limit:
         raise UsageError(
             f"--prompt ({input_ids.shape[1]} tokens) + --max-new-tokens ({args.max_new_tokens}) = "
             f"{input_ids.shape[1] + args.max_new_tokens} exceeds the model's model_max_length={limit}"
         )
+    if args.model is not None:
+        model = _load_weights(args.model, dtype, device)
+    else:
+        model = _random_model(config, args.seed, dtype or torch.float32, device)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     torch.manual_seed(args.seed)  # sampling draws from the global generator
     try:
@@ -369,23 +371,26 @@ def _read_config(path: Path) -> KimiK3Config:
         raise UsageError(f"--model {path}: {err}") from err
 
 
-def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device):
-    """The model and tokenizer in the folder `path`; every way the folder can be wrong is one `UsageError` line."""
+def _checkpoint_tokenizer(path: Path):
+    """The tokenizer in the folder `path`, loaded without running any code from it."""
+    from kimi_helix.tokenizer import TokenizerLoadError, load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except TokenizerLoadError as err:
+        raise UsageError(f"--model {path}: {err}") from err
+
+
+def _load_weights(path: Path, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """The model in the folder `path`; every way its weights can be wrong is one `UsageError` line."""
     from safetensors import SafetensorError
 
     from kimi_helix.modeling.model import KimiK3ForCausalLM
-    from kimi_helix.tokenizer import TokenizerLoadError, load_tokenizer
 
-    _read_config(path)  # fail on a missing or bad config.json before loading anything
     try:
-        tokenizer = load_tokenizer(path)
-    except TokenizerLoadError as err:
-        raise UsageError(f"--model {path}: {err}") from err
-    try:
-        model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        return KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device).eval()
     except (ValueError, OSError, SafetensorError) as err:  # CheckpointError is a ValueError
         raise UsageError(f"--model {path}: {err}") from err
-    return model.eval(), tokenizer
 
 
 def _random_model(config: KimiK3Config, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
