@@ -14,32 +14,22 @@ exits with status 2.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoTokenizer
-
-from kimi_helix.modeling.accounting import (
-    count_parameters,
-    kda_state_bytes_per_sequence,
-    layer_pattern,
-    mla_cache_bytes_per_token,
-    n_kda_layers,
-)
-from kimi_helix.modeling.checkpoint import SUPPORTED_MODEL_TYPES, CheckpointError
-from kimi_helix.modeling.config import KimiK3Config
-from kimi_helix.modeling.model import KimiK3ForCausalLM
-from kimi_helix.presets import PRESETS, get_preset
-from kimi_helix.tokenizer import build_byte_tokenizer
-
+# Only the standard library at import time: `--help` must not wait seconds for torch and transformers.
 if TYPE_CHECKING:
-    from kimi_helix.engine.planner import MemoryPlan
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    from kimi_helix.engine.planner import MemoryPlan
+    from kimi_helix.modeling.config import KimiK3Config
+
+DTYPES = ("float32", "bfloat16", "float16")
+# `--gpu-mem` without a unit is GiB; a bare number this large was meant as bytes and is refused.
+MAX_BARE_GIB = 2**16
 
 # A random model emits arbitrary bytes; escape the control characters so they cannot drive the terminal.
 _ESCAPE_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
@@ -61,49 +51,69 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"kimi-helix: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kimi-helix: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kimi-helix", description="Kimi-K3-style hybrid (KDA + MLA + MoE) models.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    presets = list(PRESETS)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows `(default: ...)` after each option's help, except where there is no default to show."""
 
-    p = commands.add_parser("presets", help="list the built-in model configurations")
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kimi-helix",
+        description="Kimi-K3-style hybrid (KDA + MLA + MoE) models.",
+        formatter_class=_HelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    preset_help = "a built-in configuration (list them with `kimi-helix presets`)"
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return commands.add_parser(name, formatter_class=_HelpFormatter, **kwargs)
+
+    p = command("presets", help="list the built-in model configurations")
     p.set_defaults(run=_cmd_presets)
 
-    p = commands.add_parser("init", help="write a random-weight checkpoint and the byte tokenizer to a folder")
-    p.add_argument("--preset", required=True, choices=presets)
-    p.add_argument("--out", required=True, type=Path, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p = command("init", help="write a random-weight checkpoint and the byte tokenizer to a folder")
+    p.add_argument("--preset", required=True, metavar="NAME", help=preset_help)
+    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="the folder to write")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weight dtype")
     p.add_argument("--force", action="store_true", help="write into DIR even if it is not empty")
     p.set_defaults(run=_cmd_init)
 
-    p = commands.add_parser(
+    p = command(
         "generate",
         help="continue a prompt",
-        description="Continue a prompt. With neither --model nor --preset, a random 'tiny' model is made on the fly.",
+        description="Continue a prompt, printing the text as it is generated. With neither --model nor --preset, "
+        "a random 'tiny' model is made on the fly.",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (config, weights, tokenizer)")
-    source.add_argument("--preset", choices=presets, help="a random-weight model of this preset")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's dtype; float32 for a preset")
+    source.add_argument("--preset", metavar="NAME", help="a random-weight model of this preset")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling (and a preset's random weights)")
+    p.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's dtype; float32 for a preset")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.set_defaults(run=_cmd_generate)
 
-    p = commands.add_parser("info", help="parameter counts, layer layout, cache and state sizes; loads no weights")
+    p = command("info", help="parameter counts, layer layout, cache and state sizes; loads no weights")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (only config.json is read)")
-    source.add_argument("--preset", choices=presets)
+    source.add_argument("--preset", metavar="NAME", help=preset_help)
     p.set_defaults(run=_cmd_info)
 
-    p = commands.add_parser(
+    p = command(
         "plan",
         help="split one GPU's memory into weights, activations and cache; loads no weights",
         description="Plan one rank's memory for serving on tp x cp GPUs of --gpu-mem each: weights (sharded over "
@@ -111,24 +121,33 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (only config.json is read)")
-    source.add_argument("--preset", choices=presets)
-    p.add_argument("--gpu-mem", required=True, metavar="BYTES", help="one GPU's memory: 141GB, 141GiB, 80e9")
+    source.add_argument("--preset", metavar="NAME", help=preset_help)
+    p.add_argument(
+        "--gpu-mem",
+        required=True,
+        metavar="SIZE",
+        help="one GPU's memory: a bare number is GiB (141 = 141 GiB); or with a unit: 141G / 141GiB (GiB), 141GB "
+        "(10^9 bytes), 512MiB, 80e9B (bytes)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel (Helix) size")
     # planner.KV_CACHE_DTYPES, spelt out: the engine is imported only when `plan` runs.
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="MLA page dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype")
     p.add_argument("--max-model-len", type=int, metavar="N", help="default: the config's model_max_length")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--page-size", type=int, default=64, help="tokens per cache page")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of --gpu-mem to use")
     p.set_defaults(run=_cmd_plan)
     return parser
 
 
 # ---------------------------------------------------------------- commands
 def _cmd_presets(args: argparse.Namespace) -> None:
+    from kimi_helix.modeling.accounting import count_parameters, n_kda_layers
+    from kimi_helix.presets import PRESETS, get_preset
+
     rows = [("name", "layers", "hidden", "MLA heads", "experts", "params (total / active)")]
     for name in PRESETS:
         c = get_preset(name)
@@ -155,8 +174,14 @@ def _cmd_init(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise UsageError(f"--out {out} is not empty; pass --force to write into it")
-    model = _random_model(get_preset(args.preset), args.seed, DTYPES[args.dtype], torch.device("cpu"))
-    model.save_pretrained(out)
+    config = _preset(args.preset)
+    _check_seed(args.seed)
+    import torch
+
+    from kimi_helix.tokenizer import build_byte_tokenizer
+
+    model = _random_model(config, args.seed, _dtype(args.dtype), torch.device("cpu"))
+    model.save_pretrained(out, overwrite=args.force)
     build_byte_tokenizer().save_pretrained(out)
     print(f"wrote a random {args.preset} checkpoint ({args.dtype}, seed {args.seed}) and the byte tokenizer to {out}")
 
@@ -164,15 +189,22 @@ def _cmd_init(args: argparse.Namespace) -> None:
 def _cmd_generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0 (0 decodes greedily), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 decodes greedily), got {args.temperature}")
+    if not 0 < args.top_p <= 1:  # also refuses NaN
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    device = _device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else None
+    _check_seed(args.seed)
+    _check_backend_variables()
+    import torch
 
+    from kimi_helix.kernels.backends import BackendUnavailableError
+    from kimi_helix.tokenizer import build_byte_tokenizer
+
+    device = _device(args.device)
+    dtype = _dtype(args.dtype) if args.dtype else None
+    # Config and tokenizer first: a prompt that cannot fit is refused before any weights are read.
     if args.model is not None:
-        model, tokenizer = _load_checkpoint(args.model, dtype, device)
+        config, tokenizer = _read_config(args.model), _checkpoint_tokenizer(args.model)
     else:
         if args.preset is None:
             print(
@@ -180,25 +212,43 @@ def _cmd_generate(args: argparse.Namespace) -> None:
                 "continuation is noise",
                 file=sys.stderr,
             )
-        model = _random_model(get_preset(args.preset or "tiny"), args.seed, dtype or torch.float32, device)
-        tokenizer = build_byte_tokenizer()
-
+        config, tokenizer = _preset(args.preset or "tiny"), build_byte_tokenizer()
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     if input_ids.shape[1] == 0:
         raise UsageError("--prompt must not be empty")
+    limit = config.model_max_length
+    if input_ids.shape[1] + args.max_new_tokens > limit:
+        raise UsageError(
+            f"--prompt ({input_ids.shape[1]} tokens) + --max-new-tokens ({args.max_new_tokens}) = "
+            f"{input_ids.shape[1] + args.max_new_tokens} exceeds the model's model_max_length={limit}"
+        )
+    if args.model is not None:
+        model = _load_weights(args.model, dtype, device)
+    else:
+        model = _random_model(config, args.seed, dtype or torch.float32, device)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
     torch.manual_seed(args.seed)  # sampling draws from the global generator
-    output = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=args.max_new_tokens,
-        **(sampling if args.temperature > 0 else {"do_sample": False}),
-    )
-    text = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
-    print(text.translate(_ESCAPE_CONTROLS))
+    try:
+        model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=args.max_new_tokens,
+            streamer=_terminal_streamer(tokenizer),
+            **(sampling if args.temperature > 0 else {"do_sample": False}),
+        )
+    except BackendUnavailableError as err:
+        raise UsageError(f"{err} (check KIMI_HELIX_KERNEL_BACKEND / KIMI_HELIX_ATTENTION_BACKEND)") from err
 
 
 def _cmd_info(args: argparse.Namespace) -> None:
+    from kimi_helix.modeling.accounting import (
+        count_parameters,
+        kda_state_bytes_per_sequence,
+        layer_pattern,
+        mla_cache_bytes_per_token,
+        n_kda_layers,
+    )
+
     config, source = _config_from_args(args)
     total, active = count_parameters(config)
     n_layers, n_kda = config.num_hidden_layers, n_kda_layers(config)
@@ -223,13 +273,10 @@ def _cmd_info(args: argparse.Namespace) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> None:
-    from kimi_helix.engine.planner import parse_bytes, plan_memory
-
+    gpu_mem = _gpu_mem(args.gpu_mem)
     config, source = _config_from_args(args)
-    try:
-        gpu_mem = parse_bytes(args.gpu_mem)
-    except ValueError as err:
-        raise UsageError(f"--gpu-mem: {err}") from err
+    from kimi_helix.engine.planner import plan_memory
+
     try:
         plan = plan_memory(
             config,
@@ -237,7 +284,7 @@ def _cmd_plan(args: argparse.Namespace) -> None:
             tp=args.tp,
             cp=args.cp,
             kv_cache_dtype=args.kv_cache_dtype,
-            dtype=DTYPES[args.dtype],
+            dtype=_dtype(args.dtype),
             page_size=args.page_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
@@ -297,16 +344,63 @@ def _plan_table(plan: MemoryPlan, source: str) -> str:
 
 
 # ---------------------------------------------------------------- helpers
+def _preset(name: str) -> KimiK3Config:
+    from kimi_helix.presets import PRESETS, get_preset
+
+    if name not in PRESETS:
+        raise UsageError(f"--preset {name!r} is not a preset; choose from {', '.join(PRESETS)}")
+    return get_preset(name)
+
+
 def _config_from_args(args: argparse.Namespace) -> tuple[KimiK3Config, str]:
     """The config named by `--model DIR` (its config.json only) or `--preset NAME`, and a line saying which."""
     if args.model is not None:
         return _read_config(args.model), f"{args.model} (config.json)"
-    return get_preset(args.preset), f"{args.preset} (preset)"
+    return _preset(args.preset), f"{args.preset} (preset)"
+
+
+def _read_config(path: Path) -> KimiK3Config:
+    """`path/config.json`, read and checked exactly as `from_pretrained` reads it (no weights are touched)."""
+    from kimi_helix.modeling.checkpoint import read_config as read_checkpoint_config
+
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {path}: no config.json there")
+    try:
+        return read_checkpoint_config(path)
+    except ValueError as err:  # CheckpointError, the config's own field errors, bad JSON
+        raise UsageError(f"--model {path}: {err}") from err
+
+
+def _checkpoint_tokenizer(path: Path):
+    """The tokenizer in the folder `path`, loaded without running any code from it."""
+    from kimi_helix.tokenizer import TokenizerLoadError, load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except TokenizerLoadError as err:
+        raise UsageError(f"--model {path}: {err}") from err
+
+
+def _load_weights(path: Path, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """The model in the folder `path`; every way its weights can be wrong is one `UsageError` line."""
+    from safetensors import SafetensorError
+
+    from kimi_helix.modeling.model import KimiK3ForCausalLM
+
+    try:
+        return KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device).eval()
+    except (ValueError, OSError, SafetensorError) as err:  # CheckpointError is a ValueError
+        raise UsageError(f"--model {path}: {err}") from err
 
 
 def _random_model(config: KimiK3Config, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """A randomly initialised model in `dtype` on `device`; one that cannot fit in that device's memory is refused
     before anything is allocated."""
+    import torch
+
+    from kimi_helix.modeling.accounting import count_parameters
+    from kimi_helix.modeling.model import KimiK3ForCausalLM
+
     total, _ = count_parameters(config)
     need = total * dtype.itemsize
     have = _memory_bytes(device)
@@ -320,44 +414,68 @@ def _random_model(config: KimiK3Config, seed: int, dtype: torch.dtype, device: t
         return KimiK3ForCausalLM._from_config(config, dtype=dtype).eval()
 
 
+def _terminal_streamer(tokenizer):
+    """A transformers `TextStreamer` that prints the new text as it is generated, control characters escaped."""
+    from transformers import TextStreamer
+
+    class EscapingStreamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            print(text.translate(_ESCAPE_CONTROLS), flush=True, end="\n" if stream_end else "")
+
+    return EscapingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
 def _memory_bytes(device: torch.device) -> int:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _load_checkpoint(path: Path, dtype: torch.dtype | None, device: torch.device):
-    _read_config(path)  # fail on a missing or bad config.json before loading anything
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**64:  # torch.manual_seed's range
+        raise UsageError(f"--seed must be in [0, 2**64), got {seed}")
+
+
+def _check_backend_variables() -> None:
+    """Refuse an unknown backend name in the environment before any model is built."""
+    from kimi_helix.kernels.backends import ATTENTION_ENV_VAR, KERNEL_ENV_VAR, backend_names
+
+    for var, kind in ((ATTENTION_ENV_VAR, "attention"), (KERNEL_ENV_VAR, "kernels")):
+        value, names = os.environ.get(var), backend_names(kind)
+        if value and value not in names:
+            raise UsageError(f"{var}={value!r} is not a backend; use one of {', '.join(names)} or unset it")
+
+
+def _gpu_mem(value: str) -> int:
+    """`--gpu-mem` in bytes: a bare number is GiB; a unit is read by `planner.parse_bytes`."""
+    from kimi_helix.engine.planner import parse_bytes
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is not None and math.isfinite(number) and number >= MAX_BARE_GIB:
         raise UsageError(
-            f"--model {path}: its tokenizer does not load (kimi-helix runs no remote code): {err}"
-        ) from err
+            f"--gpu-mem: a number without a unit is GiB, and {value} GiB is not a GPU; write {value}B for "
+            "bytes or add a unit (141GB, 141GiB)"
+        )
     try:
-        model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
-    except CheckpointError as err:
-        raise UsageError(f"--model {path}: {err}") from err
-    return model.eval(), tokenizer
-
-
-def _read_config(path: Path) -> KimiK3Config:
-    """Read `path/config.json` of a `kimi_k3` or Kimi-Linear (`kimi_linear`) checkpoint."""
-    file = path / "config.json"
-    if not file.is_file():
-        raise UsageError(f"--model {path}: no config.json there")
-    try:
-        raw = json.loads(file.read_text())
-        model_type = raw.pop("model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        # from_dict, not from_pretrained: the latter warns when model_type is Kimi-Linear's.
-        return KimiK3Config.from_dict(raw)
-    except ValueError as err:  # bad JSON, an unsupported model type or a field the config rejects
-        raise UsageError(f"--model {file}: {err}") from err
+        return parse_bytes(value, bare_unit="GiB")
+    except ValueError as err:
+        raise UsageError(f"--gpu-mem: {err}") from err
 
 
 def _device(name: str | None) -> torch.device:
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

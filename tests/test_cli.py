@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import kimi_helix
 from kimi_helix import KimiK3ForCausalLM, cli
 from kimi_helix.cli import main
 from kimi_helix.modeling.accounting import count_parameters
@@ -134,23 +136,70 @@ def test_generate_without_a_model_uses_a_random_tiny_one(capsys):
     assert "random" in err and "tiny" in err
 
 
+def fake_generate(new_tokens: list[int]):
+    """A `generate` that streams `new_tokens` one at a time through the CLI's streamer."""
+
+    def generate(self, ids, streamer, **kwargs):
+        streamer.put(ids[0])  # the prompt, which the streamer skips
+        for token in new_tokens:
+            streamer.put(ids.new_tensor([token]))
+        streamer.end()
+        return torch.cat([ids, ids.new_tensor([new_tokens])], 1)
+
+    return generate
+
+
 def test_generate_escapes_control_characters(capsys, tiny_ckpt, monkeypatch):
-    monkeypatch.setattr(
-        KimiK3ForCausalLM, "generate", lambda self, ids, **kw: torch.cat([ids, ids.new_tensor([[27, 65]])], 1)
-    )
+    monkeypatch.setattr(KimiK3ForCausalLM, "generate", fake_generate([27, 65]))
     code, out, _ = run(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "x")
     assert code == 0
     assert out == "\\x1bA\n"
 
 
+def test_generate_streams_text_as_it_is_generated(capsys, tiny_ckpt, monkeypatch):
+    seen: list[str] = []
+
+    def generate(self, ids, streamer, **kwargs):
+        streamer.put(ids[0])
+        for word in (b"one ", b"two ", b"three"):
+            streamer.put(ids.new_tensor(list(word)))
+            seen.append(capsys.readouterr().out)
+        streamer.end()
+        return ids
+
+    monkeypatch.setattr(KimiK3ForCausalLM, "generate", generate)
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "x")
+    assert code == 0
+    # Each finished word is on stdout before the next one is generated (transformers >= 5.24 also prints a word
+    # still in progress when it is all letters); the rest is flushed at the end.
+    assert seen[:2] == ["one ", "two "]
+    assert "".join(seen) + out == "one two three\n"
+
+
+def test_generate_real_model_stream_equals_decode(capsys, tiny_ckpt):
+    model = KimiK3ForCausalLM.from_pretrained(tiny_ckpt)
+    tok = AutoTokenizer.from_pretrained(tiny_ckpt)
+    ids = tok("Hi", return_tensors="pt").input_ids
+    expected = tok.decode(model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :])
+    code, out, _ = run(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "Hi", "--max-new-tokens", "6")
+    assert code == 0
+    assert out == expected.translate(cli._ESCAPE_CONTROLS) + "\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["info", "--preset", "nope"], "invalid choice: 'nope'"),
+        (["info", "--preset", "nope"], "--preset 'nope' is not a preset; choose from tiny"),
         (["init", "--preset", "nope", "--out", "x"], "kimi-linear-48b-a3b"),
         (["init", "--preset", "tiny", "--out", "x", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
-        (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["generate", "--prompt", "x", "--temperature", "inf"], "got inf"),
+        (["generate", "--prompt", "x", "--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["generate", "--prompt", "x", "--seed", str(2**64)], "--seed must be in [0, 2**64)"),
+        (["generate", "--prompt", "x", "--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
+        (["plan", "--preset", "tiny", "--gpu-mem", "80e9"], "--gpu-mem: a number without a unit is GiB"),
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["generate", "--prompt", "", "--max-new-tokens", "1"], "--prompt must not be empty"),
         (["generate", "--prompt", "x", "--device", "nonsense"], "--device 'nonsense' is not a device"),
@@ -165,3 +214,150 @@ def test_bad_input_exits_2_with_a_message(capsys, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+def test_help_shows_defaults(capsys):
+    for argv, shown in (
+        (["generate", "--help"], ["(default: 32)", "(default: 0.0)", "(default: 1.0)"]),
+        (["plan", "--help"], ["(default: 64)", "(default: 0.9)", "(default: auto)"]),
+        (["init", "--help"], ["(default: float32)"]),
+    ):
+        code, out, _ = run(capsys, *argv)
+        assert code == 0
+        assert all(s in " ".join(out.split()) for s in shown), out
+        assert "(default: None)" not in out
+
+
+def test_cli_imports_neither_torch_nor_transformers_for_help():
+    # `kimi_helix/__init__.py` imports the models (it registers them with transformers' Auto classes); what the
+    # CLI module adds on top must be only the standard library, so the package is bypassed here.
+    code = (
+        "import sys, types; pkg = types.ModuleType('kimi_helix'); pkg.__path__ = [sys.argv[1]]; "
+        "sys.modules['kimi_helix'] = pkg; from kimi_helix.cli import main; "
+        "assert main(['--help']) == 0 and main(['plan', '--help']) == 0; "
+        "print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'numpy') if m in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "kimi_helix")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("141", 141 * 2**30), ("141G", 141 * 2**30), ("141GiB", 141 * 2**30), ("141GB", 141 * 10**9), ("80e9B", 80e9)],
+)
+def test_gpu_mem_units(capsys, value, expected):
+    code, out, err = run(capsys, "plan", "--preset", "tiny", "--gpu-mem", value)
+    assert code == 0, err
+    assert f"{int(expected):,} B" in out
+
+
+def evil_folder(root: Path, tiny_ckpt: Path) -> Path:
+    """A copy of the tiny checkpoint whose tokenizer asks for `tokenization_evil.py`, which would write PWNED."""
+    import shutil
+
+    folder = root / "evil"
+    shutil.copytree(tiny_ckpt, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    config["tokenizer_class"] = "EvilTokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_evil.py").write_text(
+        "import pathlib\n"
+        "pathlib.Path(__file__).with_name('PWNED').write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
+    )
+    return folder
+
+
+def test_generate_never_runs_a_checkpoint_tokenizer_code(tmp_path, tiny_ckpt):
+    folder = evil_folder(tmp_path, tiny_ckpt)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_helix", "generate", "--model", str(folder), "--prompt", "hi"],
+        cwd=REPO,
+        input="y\ny\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert not (folder / "PWNED").exists()
+    assert "tokenizer_config.json has an auto_map" in proc.stderr and "trust_remote_code=False" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_generate_checks_prompt_plus_new_tokens_against_the_model_limit(capsys, tmp_path, tiny_ckpt):
+    import shutil
+
+    folder = tmp_path / "short"
+    shutil.copytree(tiny_ckpt, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_max_length"] = 8
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "generate", "--model", str(folder), "--prompt", "abc", "--max-new-tokens", "6")
+    assert code == 2
+    assert "--prompt (3 tokens) + --max-new-tokens (6) = 9 exceeds the model's model_max_length=8" in err
+    assert run(capsys, "generate", "--model", str(folder), "--prompt", "abc", "--max-new-tokens", "5")[0] == 0
+
+
+def test_checkpoint_errors_print_one_line(capsys, tmp_path, tiny_ckpt):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, folder)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    code, _, err = run(capsys, "generate", "--model", str(folder), "--prompt", "x")
+    assert code == 2
+    assert err.startswith(f"kimi-helix: error: --model {folder}") and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["info", "plan"])
+def test_info_and_plan_read_the_checked_config(capsys, tmp_path, command):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    extra = ["--gpu-mem", "80GB"] if command == "plan" else []
+    code, _, err = run(capsys, command, "--model", str(tmp_path), *extra)
+    assert code == 2
+    assert "model_type is 'llama'" in err and err.count("\n") == 1
+
+
+def test_forced_triton_backend_on_cpu_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(KIMI_HELIX_KERNEL_BACKEND="triton", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_helix", "generate", "--prompt", "hi", "--max-new-tokens", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if torch.cuda.is_available():
+        pytest.skip("triton serves these ops on a GPU")
+    assert proc.returncode == 2
+    assert "kernel backend 'triton' cannot serve" in proc.stderr and "KIMI_HELIX_KERNEL_BACKEND" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_backend_variable_is_named(capsys, monkeypatch):
+    monkeypatch.setenv("KIMI_HELIX_KERNEL_BACKEND", "cudnn")
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--max-new-tokens", "1")
+    assert code == 2
+    assert "KIMI_HELIX_KERNEL_BACKEND='cudnn' is not a backend; use one of torch, triton" in err
+
+
+@pytest.mark.skipif(
+    not hasattr(kimi_helix, "__getattr__"), reason="kimi_helix/__init__.py imports the models eagerly (not lazy)"
+)
+def test_python_m_kimi_helix_help_does_not_import_torch():
+    code = (
+        "import runpy, sys; sys.argv = ['kimi-helix', '--help']\n"
+        "try:\n    runpy.run_module('kimi_helix', run_name='__main__')\nexcept SystemExit as exit_:\n"
+        "    assert not exit_.code\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -1,10 +1,19 @@
+import json
 import random
 
 import pytest
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
-from kimi_helix.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, _byte_alphabet, build_byte_tokenizer
+from kimi_helix.tokenizer import (
+    BOS_TOKEN_ID,
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    TokenizerLoadError,
+    _byte_alphabet,
+    build_byte_tokenizer,
+    load_tokenizer,
+)
 
 SAMPLES = [
     "",
@@ -74,3 +83,54 @@ def test_save_and_load_with_auto_tokenizer(tok, tmp_path):
     for text in SAMPLES:
         assert loaded(text)["input_ids"] == tok(text)["input_ids"]
         assert loaded.decode(loaded(text)["input_ids"]) == text
+
+
+def test_load_tokenizer_loads_a_saved_folder(tok, tmp_path):
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded("héllo")["input_ids"] == tok("héllo")["input_ids"]
+
+
+def _with_code(tok, folder, file: str, auto_map: dict) -> None:
+    """Save `tok` in `folder`, then point `file`'s auto_map at a module that would write folder/PWNED."""
+    tok.save_pretrained(folder)
+    data = json.loads((folder / file).read_text()) if (folder / file).is_file() else {}
+    (folder / file).write_text(json.dumps({**data, "auto_map": auto_map}))
+    (folder / "tokenization_evil.py").write_text("open(__file__.replace('tokenization_evil.py', 'PWNED'), 'w')\n")
+
+
+@pytest.mark.parametrize(
+    ("file", "auto_map"),
+    [
+        ("tokenizer_config.json", {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}),
+        ("tokenizer_config.json", ["tokenization_evil.EvilTokenizer"]),
+        ("config.json", {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}),
+    ],
+)
+def test_load_tokenizer_refuses_folder_code(tok, tmp_path, monkeypatch, file, auto_map):
+    _with_code(tok, tmp_path, file, auto_map)
+    monkeypatch.setattr("sys.stdin", None)  # nothing may ask: reading stdin would fail
+    with pytest.raises(TokenizerLoadError, match=rf"{file} has an auto_map .*trust_remote_code=False"):
+        load_tokenizer(tmp_path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_load_tokenizer_allows_a_config_auto_map_for_the_model_only(tok, tmp_path):
+    # Kimi-Linear's config.json maps AutoConfig/AutoModel to its own code; that does not concern the tokenizer.
+    _with_code(tok, tmp_path, "config.json", {"AutoConfig": "configuration_kimi.KimiLinearConfig"})
+    assert load_tokenizer(tmp_path)("a")["input_ids"] == [97]
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: None, "does not load"),
+        (lambda d: (d / "tokenizer_config.json").write_text("{not json"), "tokenizer_config.json is not valid JSON"),
+    ],
+    ids=["empty-folder", "bad-json"],
+)
+def test_load_tokenizer_errors_name_the_folder(tmp_path, setup, message):
+    setup(tmp_path)
+    with pytest.raises(TokenizerLoadError, match=message) as info:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path) in str(info.value)

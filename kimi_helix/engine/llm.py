@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +16,14 @@ from ..kernels.backends import BackendChoice
 from ..kernels.launch import cdiv
 from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
+from ..tokenizer import load_tokenizer
 from .cache import PagedCache, PageLedger
 from .runner import ModelRunner
 from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
 from .scheduler import Request, Scheduler
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 @dataclass
@@ -64,9 +70,13 @@ class LLM:
 
     Args:
         model: a checkpoint directory or a loaded `KimiK3ForCausalLM`.
-        dtype, device: default to the model's (a directory loads in its saved dtype; cuda if available).
+        dtype: None (the model's; a directory loads in its saved dtype), torch.float32 / bfloat16 / float16 or
+            its name. device: None (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or a torch.device.
+        device_map: None, or "auto" to let `from_pretrained` place a directory's layers over the GPUs and the CPU
+            (accelerate); the cache then lives on the device of the embeddings. Not with `device`.
         page_size: tokens per cache page. max_num_seqs: running sequences at most (= state slots).
-        max_model_len: prompt + generated tokens per request at most (default: the config's, capped at 8192).
+        max_model_len: prompt + generated tokens per request at most, a positive int up to the config's
+            `model_max_length` (default: that, capped at 8192).
         kv_cache_dtype: "auto" (model dtype) or "fp8_e4m3" (per-token scaled e4m3 latents).
         gpu_memory_utilization: share of free GPU memory the cache may take (CUDA only).
         attention_backend: None (automatic: the first backend whose declared capabilities serve each call, unless
@@ -85,6 +95,11 @@ class LLM:
             "num_speculative_tokens": k, ...}` (see `kimi_helix.speculative.validator`); checked before any
             weights load. `{"method": "custom", "num_speculative_tokens": k}` with `proposer=` runs your own.
         proposer: a `kimi_helix.speculative.proposers.Proposer` for method "custom" (docs/speculative.md).
+        tokenizer: for string prompts and stop strings; default: the one saved in the model's folder (a directory,
+            or the `name_or_path` a loaded model came from), loaded by `load_tokenizer`, which runs no code from it.
+
+    A bad argument raises `ValueError` naming it and what is allowed. `generate` calls on one `LLM` from several
+    threads run one after another.
     """
 
     def __init__(
@@ -108,6 +123,7 @@ class LLM:
         dist_timeout_s: float = 60.0,
         speculative_config: dict | None = None,
         proposer=None,
+        device_map: str | None = None,
     ):
         backends = BackendChoice.from_env(attention=attention_backend, kernels=kernel_backend)
         if not 0 < gpu_memory_utilization <= 1:
@@ -118,26 +134,42 @@ class LLM:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("tensor_parallel_size", tensor_parallel_size),
             ("context_parallel_size", context_parallel_size),
+            ("max_model_len", max_model_len),
+            ("num_pages", num_pages),
         ):
-            if not isinstance(value, int) or value <= 0:
+            if value is not None and (not _is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.comm = None
-        path = Path(model) if isinstance(model, (str, Path)) else None
-        if tensor_parallel_size * context_parallel_size > 1 and (
-            speculative_config is not None or proposer is not None
-        ):
+        dtype = _check_dtype(dtype)
+        parallel = tensor_parallel_size * context_parallel_size > 1
+        if device_map is not None:
+            if device_map != "auto":
+                raise ValueError(f"device_map must be None or 'auto', got {device_map!r}")
+            if device is not None:
+                raise ValueError(f"pass device_map='auto' or device={device!r}, not both")
+            if not isinstance(model, (str, Path)):
+                raise ValueError(
+                    "device_map='auto' places a checkpoint folder's layers; a loaded model is already placed"
+                )
+            if parallel:
+                raise ValueError(
+                    "device_map='auto' cannot be combined with tensor_parallel_size * context_parallel_size > 1"
+                )
+        if parallel and (speculative_config is not None or proposer is not None):
             raise ValueError(
                 "speculative_config / proposer cannot be combined with tensor_parallel_size * "
                 "context_parallel_size > 1 yet (drafts and KDA rollback are single-process)"
             )
-        if tensor_parallel_size * context_parallel_size > 1:
+        self.comm = None
+        path = Path(model) if isinstance(model, (str, Path)) else None
+        folder = path if path is not None else getattr(model, "name_or_path", None)
+        if parallel:
             from ..parallel.engine import parallel_model
 
             model, self.comm = parallel_model(
                 model, tensor_parallel_size, context_parallel_size, dtype=dtype, device=device, timeout_s=dist_timeout_s
             )
             device = device or next(model.parameters()).device
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = _check_device(device)
         spec = None
         if speculative_config is not None or proposer is not None:
             from ..speculative.engine import check_speculative_config
@@ -145,20 +177,25 @@ class LLM:
             spec = check_speculative_config(
                 speculative_config, model, proposer, dtype, device, kv_cache_dtype, backends.attention
             )
-        if path is not None:
-            if self.comm is None:
+        if path is not None and self.comm is None:
+            if device_map is not None:
+                model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+                device = model.model.embed_tokens.weight.device
+            else:
                 model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
-            if tokenizer is None and (path / "tokenizer_config.json").is_file():
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+            self.model = model
+        else:
+            self.model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
         self.model.eval()
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else _folder_tokenizer(folder)
         self.backends = backends
         self.model.model.set_backends(backends)
         self.device = device
         config = self.model.config
+        if max_model_len is not None and max_model_len > config.model_max_length:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's model_max_length={config.model_max_length}"
+            )
         self.max_model_len = max_model_len or min(config.model_max_length, 8192)
         if num_pages is None:
             num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
@@ -196,6 +233,7 @@ class LLM:
             from ..speculative.engine import build_speculative_decoder
 
             self.speculative = build_speculative_decoder(spec, self, proposer)
+        self._lock = threading.Lock()
 
     def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
         """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in
@@ -226,26 +264,35 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for `prompts` (strings, token-id lists, or a mix); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for `prompts` (strings, token-id lists, or a mix); outputs come back in prompt order.
+
+        Calls from several threads run one after another. If the call fails or is interrupted (KeyboardInterrupt),
+        the requests it queued are aborted, their pages and state slots freed, and the error propagates.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
-        for request in requests:  # reject the whole call before queueing any of it
-            self.scheduler.check(request)
-        for request in requests:
-            self.scheduler.add(request)
-        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
-        show = show and (self.comm is None or self.comm.mapping.rank == 0)
-        with tqdm(total=len(requests), desc="generate", unit="req", disable=not show) as bar:
-            while self.scheduler.has_work:
-                bar.update(self.step())
-        if self.comm is not None and self.comm.mapping.rank != 0:
-            return []
-        return [self._output(r) for r in requests]
+        with self._lock:
+            requests = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+            for request in requests:  # reject the whole call before queueing any of it
+                self.scheduler.check(request)
+            for request in requests:
+                self.scheduler.add(request)
+            show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+            show = show and (self.comm is None or self.comm.mapping.rank == 0)
+            try:
+                with tqdm(total=len(requests), desc="generate", unit="req", disable=not show) as bar:
+                    while self.scheduler.has_work:
+                        bar.update(self.step())
+            except BaseException:
+                self._abort(requests)
+                raise
+            if self.comm is not None and self.comm.mapping.rank != 0:
+                return []
+            return [self._output(r) for r in requests]
 
     def step(self) -> int:
         """One step: schedule -> runner -> sample -> append. Returns how many requests finished."""
@@ -357,12 +404,24 @@ class LLM:
 
     # ---------------------------------------------------------------- internals
     def _make_request(self, prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop={params.stop!r} needs a tokenizer: pass LLM(..., tokenizer=...)")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer; pass token-id lists or LLM(..., tokenizer=...)")
             ids, text = self.tokenizer(prompt)["input_ids"], prompt
-        else:
+        elif isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            ids, text = prompt.tolist(), None
+        elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
+        else:
+            raise ValueError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        bad = [t for t in ids if not _is_int(t)]
+        if bad:  # a float id is a bug upstream; truncating it would silently run another prompt
+            raise ValueError(f"prompt token ids must be ints, got {bad[:4]!r} in {ids[:16]!r}")
+        ids = [int(t) for t in ids]
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {ids}")
@@ -379,13 +438,17 @@ class LLM:
             reason = "stop"
         elif len(request.output_ids) >= params.max_tokens:
             reason = "length"
-        if params.stop and self.tokenizer is not None:
+        text = None
+        if params.stop:  # `_make_request` made sure there is a tokenizer
             text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
             hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                request.text, reason = text[: min(hits)], "stop"
+            if hits:  # the text before the earliest stop string, '' when it matches at the very start
+                text, reason = text[: min(hits)], "stop"
         if reason is None:
             return False
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        request.text = text or ""
         # Zero the state slot on release: the next sequence in it must start from an empty state.
         self.cache.reset_state(self.cache.ledger.seqs[request.request_id].slot)
         self.scheduler.finish(request, reason)
@@ -393,10 +456,56 @@ class LLM:
             self.speculative.release(request)
         return True
 
+    def _abort(self, requests: list[Request]) -> None:
+        """Drop the unfinished `requests` from the scheduler, zeroing and freeing their state slots and pages."""
+        for request in requests:
+            if request.finish_reason is not None:
+                continue
+            blocks = self.cache.ledger.seqs.get(request.request_id)
+            if blocks is not None:  # admitted: its slot may hold a half-written state
+                self.cache.reset_state(blocks.slot)
+            self.scheduler.abort(request)
+            if self.speculative is not None:
+                self.speculative.release(request)
+
     def _output(self, r: Request) -> RequestOutput:
-        text = r.text
-        if not text and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
         return RequestOutput(
-            r.request_id, r.prompt, r.prompt_ids, r.output_ids, text, r.finish_reason, r.logprobs, r.prompt_logprobs
+            r.request_id, r.prompt, r.prompt_ids, r.output_ids, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs
         )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(
+        f"dtype must be None (the model's) or one of {', '.join(DTYPES)} (a torch.dtype or its name), got {dtype!r}"
+    )
+
+
+def _check_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be None, a str such as 'cpu' or 'cuda:0', or a torch.device, got {device!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"device {device!r} is not a device (try 'cpu', 'cuda', 'cuda:1')") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be on cpu or cuda, got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available here")
+    return device
+
+
+def _folder_tokenizer(folder: str | Path | None):
+    """The tokenizer saved in the model's checkpoint folder, or None when there is none (or no folder)."""
+    if not folder or not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return load_tokenizer(folder)

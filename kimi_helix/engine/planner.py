@@ -37,25 +37,25 @@ ACTIVATION_BUFFERS = 4
 SAMPLER_BYTES_PER_LOGIT = 32
 
 _UNITS = {
-    "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    **{f"{p}b": 1000**i for i, p in enumerate("kmgt", 1)},  # KB, MB, GB, TB: powers of 1000
+    **{f"{p}ib": 1024**i for i, p in enumerate("kmgt", 1)},  # KiB, MiB, GiB, TiB: powers of 1024
+    # K, M, G, T and Ki, Mi, Gi, Ti: powers of 1024, as `free -h`, `ls -h` and nvidia-smi's MiB mean them.
+    **{p: 1024**i for i, p in enumerate("kmgt", 1)},
+    **{f"{p}i": 1024**i for i, p in enumerate("kmgt", 1)},
 }
 
 
-def parse_bytes(value: int | str) -> int:
-    """A byte count from an int or a string: `"141GB"` (GB = 1e9), `"141GiB"` (GiB = 2**30), `"80e9"`, `"512 MiB"`.
+def parse_bytes(value: int | str, bare_unit: str = "B") -> int:
+    """A byte count from an int or a string: `"141GB"` (GB = 1e9), `"141GiB"` or `"141G"` (2**30), `"80e9"`.
 
-    Units are B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024), in any case; fractions
-    round down to whole bytes. A bad string, or a count that is not positive, raises `ValueError` naming the value.
+    Units are B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB and K, M, G, T, Ki, Mi, Gi, Ti (powers of
+    1024), in any case. A string without a unit is in `bare_unit` (bytes by default; the CLI's `--gpu-mem` passes
+    "GiB"); an int is always bytes. Fractions round down to whole bytes. A bad string, or a count that is not
+    positive, raises `ValueError` naming the value.
     """
+    if bare_unit.lower() not in _UNITS:
+        raise ValueError(f"bare_unit must be a unit such as 'B' or 'GiB', got {bare_unit!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"byte count must be an int or a string like '141GB', got {value!r}")
     if isinstance(value, int):
@@ -63,15 +63,15 @@ def parse_bytes(value: int | str) -> int:
             raise ValueError(f"byte count must be positive, got {value!r}")
         return value
     match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", value)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a byte count; try '141GB', '141GiB' or '80e9'")
+    if match is None or match.group(2).lower() not in {"", *_UNITS}:
+        raise ValueError(f"cannot read {value!r} as a byte count; try '141GB', '141GiB' or '141G'")
     try:
         number = Decimal(match.group(1))  # exact, so '80e9' and '1.5GiB' lose nothing to float rounding
     except InvalidOperation:
-        raise ValueError(f"cannot read {value!r} as a byte count; try '141GB', '141GiB' or '80e9'") from None
+        raise ValueError(f"cannot read {value!r} as a byte count; try '141GB', '141GiB' or '141G'") from None
     if not number.is_finite() or number <= 0:
         raise ValueError(f"byte count must be positive, got {value!r}")
-    count = int(number * _UNITS[match.group(2).lower()])
+    count = int(number * _UNITS[match.group(2).lower() or bare_unit.lower()])
     if count <= 0:
         raise ValueError(f"byte count must be at least 1 byte, got {value!r}")
     return count

@@ -30,7 +30,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens, an int >= -1; 0 or -1 turns it off.
         top_p: nucleus sampling, in (0, 1]: keep the fewest most likely tokens whose probability (after top_k)
             reaches top_p; the most likely token is always kept. 1 turns it off.
-        seed: None or an int >= 0 seeding the request's own generator (see `make_generator`).
+        seed: None or an int in [0, 2**64) (torch's seed range) seeding the request's own generator (see
+            `make_generator`).
         stop: strings that end generation when the text produces them; a single str is accepted.
         stop_token_ids: token ids (ints >= 0) that end generation.
         ignore_eos: keep generating past the model's EOS token.
@@ -75,8 +76,8 @@ class SamplingParams:
             or not 0 < self.top_p <= 1  # also rejects NaN
         ):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):

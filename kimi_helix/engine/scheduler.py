@@ -141,6 +141,16 @@ class Scheduler:
         self.running.remove(request)
         self.ledger.release(request.request_id)
 
+    def abort(self, request: Request) -> None:
+        """Drop `request` wherever it is (waiting or running) and free its pages and slot; finish_reason "abort"."""
+        request.finish_reason = "abort"
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        if request.request_id in self.ledger.seqs:
+            self.ledger.release(request.request_id)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

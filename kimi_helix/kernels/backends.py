@@ -243,10 +243,13 @@ class BackendChoice:
     kernels: str | None = None
 
     def __post_init__(self):
-        for kind, name in (("attention", self.attention), ("kernels", self.kernels)):
+        for kind, name, field, var in (
+            ("attention", self.attention, "attention_backend", ATTENTION_ENV_VAR),
+            ("kernels", self.kernels, "kernel_backend", KERNEL_ENV_VAR),
+        ):
             if name is not None and name not in backend_names(kind):
                 allowed = backend_names(kind)
-                raise ValueError(f"{kind} backend must be None (automatic) or one of {allowed}, got {name!r}")
+                raise ValueError(f"{field} (or ${var}) must be None (automatic) or one of {allowed}, got {name!r}")
 
     @classmethod
     def from_env(cls, attention: str | None = None, kernels: str | None = None) -> BackendChoice:

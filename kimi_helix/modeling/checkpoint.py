@@ -317,6 +317,7 @@ def load_pretrained(
         raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} tensors: {shown}{more}")
     model.tie_weights()
     dispatch(model, device_map)
+    model.name_or_path = model.config._name_or_path = str(path)  # where `LLM(model)` finds the tokenizer
     model.eval()
     return model
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.backends import dtype_name
-from ..modeling.config import KimiK3Config
+from ..modeling.checkpoint import read_config
 from .dspark.capture import TargetFeatureCapture
 from .dspark.config import DSparkConfig
 from .dspark.model import DSparkDrafter
@@ -122,7 +122,7 @@ class SpeculativeDecoder:
 def _target_config(model):
     """The target's config without loading weights: a loaded model's, or a checkpoint folder's config.json."""
     if isinstance(model, (str, Path)):
-        return KimiK3Config.from_pretrained(Path(model))
+        return read_config(Path(model))  # validated, and no code from the folder
     return model.config
 
 

@@ -131,3 +131,178 @@ def test_hf_cache_and_paged_cache_hold_the_same_latents():
     kv = llm.cache.view([0]).mla_latents(layer, batch, like=None)
     paged = gather_context(kv, kv.block_table, [20], torch.float32)
     assert torch.equal(paged, hf.latents[layer][0])
+
+
+# ---------------------------------------------------------------- bad input, tokenizers, failures, threads
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A `kimi-helix init` tiny checkpoint with the byte tokenizer."""
+    from kimi_helix.cli import main
+
+    folder = tmp_path_factory.mktemp("llm") / "tiny"
+    assert main(["init", "--preset", "tiny", "--out", str(folder)]) == 0
+    return folder
+
+
+def test_string_prompts_use_the_tokenizer_of_the_model_folder(tiny_folder):
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    by_path = LLM(str(tiny_folder)).generate(["Hello"], params)[0]
+    assert by_path.prompt_token_ids == list(b"Hello")
+    # A loaded model remembers its folder in `name_or_path` (transformers' convention); LLM loads the tokenizer there.
+    model = KimiK3ForCausalLM.from_pretrained(tiny_folder)
+    model.name_or_path = str(tiny_folder)
+    loaded = LLM(model).generate(["Hello"], params)[0]
+    assert loaded.token_ids == by_path.token_ids and loaded.text == by_path.text
+
+
+def test_folder_tokenizer_with_code_is_refused(tmp_path, tiny_folder):
+    import json
+    import shutil
+
+    from kimi_helix.tokenizer import TokenizerLoadError
+
+    folder = tmp_path / "evil"
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "tokenization_evil.py").write_text("open(__file__ + '.PWNED', 'w').write('ran')\n")
+    with pytest.raises(TokenizerLoadError, match="tokenizer_config.json has an auto_map .*trust_remote_code=False"):
+        LLM(folder)
+    assert not (folder / "tokenization_evil.py.PWNED").exists()
+
+
+def byte_llm(**kwargs):
+    from kimi_helix.tokenizer import build_byte_tokenizer
+
+    return LLM(make_model(), tokenizer=build_byte_tokenizer(), **kwargs)
+
+
+def test_stop_strings_cut_the_text_and_may_match_at_the_start():
+    llm = byte_llm()
+    prompt = prompts([6], seed=8)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(free.text) >= 4
+    at_start = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, stop=free.text[0], ignore_eos=True))
+    assert at_start[0].text == "" and at_start[0].finish_reason == "stop"
+    stop = free.text[2:4]
+    later = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, stop=[stop], ignore_eos=True))[0]
+    assert later.text == free.text[: free.text.find(stop)] and later.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_model_len": 0}, "max_model_len must be a positive int, got 0"),
+        ({"max_model_len": 2**30}, "max_model_len=1073741824 exceeds the model's model_max_length"),
+        ({"num_pages": 0}, "num_pages must be a positive int, got 0"),
+        ({"dtype": torch.int8}, "dtype must be None (the model's) or one of float32, bfloat16, float16"),
+        ({"dtype": "fp32"}, "got 'fp32'"),
+        ({"device": "tpu"}, "device 'tpu' is not a device"),
+        ({"device": "meta"}, "device must be on cpu or cuda, got 'meta'"),
+        ({"device": 3.5}, "device must be None, a str"),
+        ({"device_map": "balanced"}, "device_map must be None or 'auto', got 'balanced'"),
+        ({"device_map": "auto"}, "a loaded model is already placed"),
+    ],
+)
+def test_llm_arguments_are_checked(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        LLM(make_model(), **kwargs)
+    assert message in str(info.value)
+
+
+def test_device_map_auto_is_passed_to_from_pretrained(monkeypatch, tiny_folder):
+    seen = {}
+    load = KimiK3ForCausalLM.from_pretrained.__func__
+
+    def from_pretrained(cls, path, **kwargs):
+        seen.update(kwargs)
+        return load(cls, path, dtype=kwargs["dtype"])  # the CPU-only placement "auto" chooses here
+
+    monkeypatch.setattr(KimiK3ForCausalLM, "from_pretrained", classmethod(from_pretrained))
+    llm = LLM(tiny_folder, device_map="auto")
+    assert seen == {"dtype": None, "device_map": "auto"}
+    assert llm.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="pass device_map='auto' or device='cpu', not both"):
+        LLM(tiny_folder, device_map="auto", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([1.7, 2.2], None, "prompt token ids must be ints, got [1.7, 2.2]"),
+        ([1, True], None, "got [True]"),
+        (torch.tensor([1.0, 2.0]), None, "a prompt must be a str or a list of token ids, got Tensor"),
+        ({1, 2}, None, "got set"),
+        ([1, 128], None, "prompt token ids must be in [0, 128)"),
+        ("text", None, "string prompts need a tokenizer"),
+        ([1, 2], SamplingParams(stop=["x"]), "SamplingParams.stop=['x'] needs a tokenizer"),
+        ([1, 2], {"max_tokens": 3}, "sampling_params must be SamplingParams, got dict"),
+    ],
+)
+def test_bad_prompts_are_refused(prompt, params, message):
+    llm = LLM(make_model())
+    with pytest.raises(ValueError) as info:
+        llm.generate([prompt], params)
+    assert message in str(info.value)
+    assert not llm.scheduler.has_work
+
+
+def test_integer_like_token_ids_are_accepted():
+    import numpy as np
+
+    llm = LLM(make_model())
+    ids = prompts([7], seed=10)[0]
+    expected = llm.generate([ids], GREEDY)[0].token_ids
+    assert llm.generate([np.array(ids)[i] for i in range(len(ids))], GREEDY)[0].token_ids == expected
+    assert llm.generate([torch.tensor(ids)], GREEDY)[0].token_ids == expected
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_a_failed_generate_frees_its_requests(monkeypatch, error):
+    model = make_model()
+    ps = prompts([5, 30, 12], seed=11)
+    expected = [o.token_ids for o in LLM(model).generate(ps, GREEDY)]
+    llm = LLM(model, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
+    real_step, calls = LLM.step, []
+
+    def failing_step(self):
+        calls.append(1)
+        if len(calls) == 3:  # after some requests were admitted and prefilled, one still waiting
+            raise error
+        return real_step(self)
+
+    monkeypatch.setattr(LLM, "step", failing_step)
+    with pytest.raises(type(error)):
+        llm.generate(ps, GREEDY)
+    assert not llm.scheduler.has_work
+    assert llm.cache.ledger.pages_in_use == 0 and not llm.cache.ledger.seqs
+    assert len(llm.cache.ledger.free_slots) == 2
+    monkeypatch.setattr(LLM, "step", real_step)
+    assert [o.token_ids for o in llm.generate(ps, GREEDY)] == expected
+
+
+def test_concurrent_generate_calls_run_one_after_another():
+    import threading
+
+    model = make_model()
+    batches = [prompts([4 + i, 20 - i], seed=20 + i) for i in range(4)]
+    expected = [[o.token_ids for o in LLM(model).generate(b, GREEDY)] for b in batches]
+    llm = LLM(model, max_num_seqs=2, max_num_batched_tokens=16)
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            results[i] = [o.token_ids for o in llm.generate(batches[i], GREEDY)]
+        except BaseException as err:  # surfaced by the assert below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert [results[i] for i in range(len(batches))] == expected
+    assert llm.cache.ledger.pages_in_use == 0

@@ -149,6 +149,11 @@ def test_stop_accepts_a_string():
         ("top_p", float("nan")),
         ("seed", -1),
         ("seed", "7"),
+        ("seed", 2**64),
+        ("seed", 1.0),
+        ("temperature", float("inf")),
+        ("temperature", "0.5"),
+        ("max_tokens", True),
         ("stop", [""]),
         ("stop", [1]),
         ("stop_token_ids", [-1]),
@@ -159,6 +164,15 @@ def test_stop_accepts_a_string():
 def test_bad_params_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must"):
         SamplingParams(**{field: value})
+
+
+def test_seed_range_is_torchs():
+    for seed in (0, 2**63, 2**64 - 1):  # every seed SamplingParams accepts can seed a generator
+        make_generator(SamplingParams(seed=seed).seed)
+    with pytest.raises(
+        ValueError, match=r"SamplingParams\.seed must be None or an int in \[0, 2\*\*64\), got 18446744073709551616"
+    ):
+        SamplingParams(seed=2**64)
 
 
 def test_sample_checks_lengths():
