@@ -1,7 +1,6 @@
 """A table of bad inputs to the config, `from_pretrained`, `save_pretrained`, the CLI, `LLM` and `SamplingParams`:
 each gives a clear exception of one type whose message names the field, file or value, and nothing is written or
-deleted outside the output folder (the checkpoint folder, the working directory and everything else under the test's tmp dir are compared
-byte for byte before and after)."""
+deleted outside the output folder (compared byte for byte before and after)."""
 
 import json
 import math
