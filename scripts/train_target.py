@@ -15,6 +15,7 @@ Writes into --out: `loss.jsonl` (one record per logged step, plus eval and repro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -24,13 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-# Before torch initialises CUDA: deterministic cuBLAS, and the torch references (the only ops with a backward).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-os.environ["KIMI_HELIX_KERNEL_BACKEND"] = "torch"
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import torch
+from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -42,7 +39,7 @@ from kimi_helix.modeling.model import KimiK3ForCausalLM  # noqa: E402
 CHECKPOINT = "checkpoint.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CALIB_SKIP = 5
-SMOKE = {"steps": 3, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_windows": 2, "log_every": 1}
+SMOKE = {"device": "cpu", "steps": 3, "batch_size": 2, "seq_len": 64, "warmup": 1, "eval_windows": 2, "log_every": 1}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,12 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--calib-steps", type=int, default=20, help="steps timed to size the run when --steps is 0")
     ap.add_argument("--resume", action="store_true", help="continue from --ckpt-dir/checkpoint.pt")
     ap.add_argument("--check-repro", action="store_true", help="rerun the first 100 steps and compare the loss")
-    ap.add_argument("--smoke", action="store_true", help="a few tiny CPU steps (CI)")
+    ap.add_argument("--smoke", action="store_true", help=f"a few tiny CPU steps (CI): defaults {SMOKE}")
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):
+        ap.set_defaults(**SMOKE)  # explicit options still win, e.g. --smoke --steps 4
     args = ap.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-        args.device = "cpu"
     args.ckpt_dir = args.ckpt_dir or args.out
     return args
 
@@ -210,10 +205,36 @@ def save_final(model, args) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def training_mode():
+    """Torch references for every op (the only ones with a backward) and deterministic algorithms; restored after.
+
+    Entered before anything touches CUDA, so cuBLAS sees its deterministic workspace setting."""
+    env = {"KIMI_HELIX_KERNEL_BACKEND": "torch", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    saved_env = {key: os.environ.get(key) for key in env}
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.update(env)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    with training_mode():
+        return train(args)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """The whole run: train, save, evaluate, optionally check reproducibility; returns the summary."""
     device = torch.device(args.device)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     args.out.mkdir(parents=True, exist_ok=True)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
-        start_step, losses, args.steps = state["step"], state["losses"], state["steps"]
+        start_step, losses = state["step"], state["losses"]
+        args.steps = args.steps or state["steps"]  # an explicit --steps extends (or shortens) the schedule
 
     log_file = (args.out / "loss.jsonl").open("a" if args.resume else "w")
 

@@ -103,3 +103,16 @@ def bits_per_byte(
 def _autocast(device: torch.device):
     """bf16 autocast on CUDA (as in training); plain fp32 on the CPU."""
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+@torch.no_grad()
+def logit_fingerprint(model, ids: list[int], top: int = 16) -> dict[str, list]:
+    """What `expected_logits.json` pins for a snippet: fp32 logits of each next token, and the `top` best logits
+    (ids and values) after the last token. `model` should run in fp32, so the values agree across CPUs to ~1e-6."""
+    logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    values, best = logits[-1].topk(top)
+    return {
+        "next_token_logits": logits[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(),
+        "last_top_ids": best.tolist(),
+        "last_top_logits": values.tolist(),
+    }
