@@ -131,11 +131,12 @@ def measure(args) -> dict:
         "start": next(r for r in records if r.get("event") == "start"),
         "repro": next((r for r in records if r.get("event") == "repro"), None),
         "torch_threads": torch.get_num_threads(),
+        "corpus": json.loads((args.data / "meta.json").read_text()),
     }
 
 
 def render_doc(r: dict, png_written: bool) -> str:
-    s, t = r["start"], r["train"]
+    s, t, c = r["start"], r["train"], r["corpus"]
     repro = r["repro"]
     repro_line = (
         f"A second run of the first {repro['step']} steps from the same seed reached loss {repro['rerun_loss']:.6f} "
@@ -151,6 +152,18 @@ def render_doc(r: dict, png_written: bool) -> str:
 without downloading weights: {r["params"] / 1e6:.1f}M parameters (bf16, {r["weights_mib"]:.1f} MiB of safetensors),
 trained on the pure-Python sources of the CPython standard library and the English help topics of
 `pydoc_data/topics.py`. It writes Python-looking code; it is far too small to write correct programs.
+
+## Corpus
+
+`scripts/prepare_corpus.py` collects the interpreter's standard library (`*.py` outside test folders and
+site-packages) and `pydoc_data/topics.py`'s help topics, one document per topic. A document is held out when the
+sha256 of its relative path falls in the lowest 5% (`kimi_helix/assets/demo/corpus_manifest.json` lists every
+path with its sha256 and split; the text is not committed). Built with Python {c["python"]}:
+
+| split | documents | MB of UTF-8 | tokens |
+|---|---|---|---|
+| train | {c["train"]["documents"]} | {c["train"]["bytes"] / 1e6:.2f} | {c["train"]["tokens"] / 1e6:.2f}M |
+| held-out | {c["heldout"]["documents"]} | {c["heldout"]["bytes"] / 1e6:.2f} | {c["heldout"]["tokens"] / 1e6:.2f}M |
 
 ## Architecture
 
