@@ -114,6 +114,12 @@ def _run(fn, q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu
     if segs is None:
         o, final, extra = fn(*tensors, state)
         return o.to(out_dtype), final, extra
+    lens = {e - s for s, e in segs}
+    if len(lens) == 1:
+        # Equal-length packed sequences (training batches) run as one batch instead of one call per sequence.
+        n, L = len(segs), lens.pop()
+        o, final, extra = fn(*(t.reshape(n, L, *t.shape[2:]) for t in tensors), state)
+        return o.reshape(1, n * L, *o.shape[2:]).to(out_dtype), final, extra
     outs, finals, extras = [], [], []
     for n, (s, e) in enumerate(segs):
         o, final, extra = fn(*(t[:, s:e] for t in tensors), state[n : n + 1])
