@@ -93,7 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "generate",
         help="continue a prompt",
         description="Continue a prompt, printing the text as it is generated. With neither --model nor --preset, "
-        "a random 'tiny' model is made on the fly.",
+        "the shipped demo model (a small code model trained on the Python standard library) continues it.",
     )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder (config, weights, tokenizer)")
@@ -203,16 +203,19 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     device = _device(args.device)
     dtype = _dtype(args.dtype) if args.dtype else None
     # Config and tokenizer first: a prompt that cannot fit is refused before any weights are read.
+    if args.model is None and args.preset is None:
+        from kimi_helix.assets import demo_model_dir
+
+        args.model = demo_model_dir()
+        print(
+            "kimi-helix: no --model or --preset given; using the shipped demo model (9M parameters, trained on the "
+            "Python standard library's sources: docs/demo-model.md)",
+            file=sys.stderr,
+        )
     if args.model is not None:
         config, tokenizer = _read_config(args.model), _checkpoint_tokenizer(args.model)
     else:
-        if args.preset is None:
-            print(
-                "kimi-helix: no --model or --preset given; using a randomly initialised 'tiny' model, so the "
-                "continuation is noise",
-                file=sys.stderr,
-            )
-        config, tokenizer = _preset(args.preset or "tiny"), build_byte_tokenizer()
+        config, tokenizer = _preset(args.preset), build_byte_tokenizer()
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     if input_ids.shape[1] == 0:
         raise UsageError("--prompt must not be empty")

@@ -64,6 +64,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
                 "runs no code from a checkpoint (trust_remote_code=False). Load a tokenizer you trust yourself and "
                 "pass it in (LLM(..., tokenizer=...)), or use a folder whose tokenizer is data only (no auto_map)"
             )
+    import kimi_helix
+
+    kimi_helix.register_auto_classes()  # AutoTokenizer reads config.json: our model types must be known to it
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:

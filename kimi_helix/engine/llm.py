@@ -69,7 +69,8 @@ class LLM:
     """Batched generation over a paged MLA latent cache and a KDA state pool.
 
     Args:
-        model: a checkpoint directory or a loaded `KimiK3ForCausalLM`.
+        model: a checkpoint directory or a loaded `KimiK3ForCausalLM`; None loads the shipped demo model
+            (`kimi_helix.assets.demo_model_dir()`, docs/demo-model.md).
         dtype: None (the model's; a directory loads in its saved dtype), torch.float32 / bfloat16 / float16 or
             its name. device: None (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or a torch.device.
         device_map: None, or "auto" to let `from_pretrained` place a directory's layers over the GPUs and the CPU
@@ -104,7 +105,7 @@ class LLM:
 
     def __init__(
         self,
-        model,
+        model=None,
         *,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
@@ -126,6 +127,10 @@ class LLM:
         device_map: str | None = None,
     ):
         backends = BackendChoice.from_env(attention=attention_backend, kernels=kernel_backend)
+        if model is None:
+            from ..assets import demo_model_dir
+
+            model = demo_model_dir()
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         for name, value in (
