@@ -183,7 +183,17 @@ def select_backend(request: AttentionRequest, forced: str | None = None) -> Back
 
 # ---------------------------------------------------------------- the other ops: KDA, short conv, norm, MoE
 
-OPS = ("kda_chunk", "kda_recurrent", "conv", "conv_update", "gated_norm", "moe_experts")
+OPS = (
+    "kda_chunk",
+    "kda_recurrent",
+    "conv",
+    "conv_update",
+    "gated_norm",
+    "moe_experts",
+    "add_rms_norm",
+    "rotary",
+    "moe_router",
+)
 OP_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 
 
@@ -237,6 +247,9 @@ def build_op_registry() -> dict[str, dict[str, OpCaps]]:
             "conv_update": plain,
             "gated_norm": plain,
             "moe_experts": plain,
+            "add_rms_norm": plain,
+            "rotary": plain,
+            "moe_router": plain,
         },
     }
 

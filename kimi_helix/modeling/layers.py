@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.norm import gated_rms_norm
+from ..kernels.norm.add_rms_norm import add_rms_norm
+from ..kernels.rotary import rotary
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +20,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """x [..., D] -> [..., D] (`kernels.norm.add_rms_norm`: one Triton kernel on the GPU)."""
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [..., D]: a pre-norm block's residual add and the
+        next sublayer's norm in one kernel."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -58,13 +63,8 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torc
     Args:
         x: [N, ..., D] with D even; N tokens.
         positions: [N] absolute positions.
+
+    Returns:
+        [N, ..., D] in x.dtype (`kernels.rotary`: one Triton kernel on the GPU).
     """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
-    cos = freqs.cos().repeat(1, 2).view(x.shape[0], *([1] * (x.dim() - 2)), d)
-    sin = freqs.sin().repeat(1, 2).view(x.shape[0], *([1] * (x.dim() - 2)), d)
-    xf = x.float()
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return rotary(x, positions, theta)

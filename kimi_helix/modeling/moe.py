@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.moe import fused_experts, moe_router_ref
+from ..kernels.moe import fused_experts
+from ..kernels.router import moe_router
 from .config import KimiK3Config
 from .layers import SwiGLU
 
@@ -33,8 +34,8 @@ class TopkRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, d] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-        return moe_router_ref(
+        """x [T, d] -> (weights [T, k] fp32, expert ids [T, k] int64) (`kernels.router`: fused on the GPU)."""
+        return moe_router(
             x,
             self.weight,
             self.e_score_correction_bias,
