@@ -1,5 +1,8 @@
 """Paged hybrid cache: MLA latents in fixed-size pages, KDA states in a slot pool.
 
+This module owns storage only (pages, slots, block tables); the attention maths over the pages lives next to the
+layer (`modeling/paged_mla.py`).
+
 One `PageLedger` owns every page and every state slot, so later extensions change one place: Helix shards the
 ledger (page b of a sequence lives on rank b % cp) and speculative decoding appends 1+k tokens and then truncates
 to the accepted length.
@@ -7,19 +10,14 @@ to the accepted length.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels.launch import cdiv
-from ..kernels.mla import mla_decode, mla_prefill
 from ..modeling.batch import ForwardBatch
 from ..modeling.config import KimiK3Config
-from ..modeling.mla import absorb_query, unabsorb_output
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
+from ..modeling.paged_mla import FP8, PagedLatents, token_slots
 
 
 @dataclass
@@ -98,8 +96,36 @@ class PagedCache:
                 self.conv[i] = torch.zeros(ledger.num_slots, w - 1, 3 * h * k, dtype=dtype, device=device)
                 self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
 
+    def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
+        """[N, width] int32 host page ids of the sequences (rows padded with page 0, never read); width defaults to
+        the longest row."""
+        blocks = [self.ledger.seqs[s] for s in seq_ids]
+        width = width or max(len(b.pages) for b in blocks)
+        table = torch.zeros(len(blocks), width, dtype=torch.int32)
+        for i, b in enumerate(blocks):
+            table[i, : len(b.pages)] = torch.tensor(b.pages, dtype=torch.int32)
+        return table
+
     def view(self, seq_ids: list[int], backend: str | None = None) -> CacheView:
-        return CacheView(self, [self.ledger.seqs[s] for s in seq_ids], backend)
+        """The cache for one pass over `seq_ids`, addressing built on the fly (the runner builds its own)."""
+        device = next(iter({**self.pages, **self.conv}.values())).device
+        slots = torch.tensor([self.ledger.seqs[s].slot for s in seq_ids], dtype=torch.long)
+        return CacheView(self, seq_ids, self.block_table(seq_ids).to(device), slots.to(device), backend=backend)
+
+    def rollback(self, seq_id: int, num_keep: int) -> None:
+        """Keep the first `num_keep` cached tokens of `seq_id` (after a verify step accepted fewer than it wrote).
+
+        MLA: the length shrinks; the dropped slots are overwritten by the next tokens. KDA and conv states cannot
+        be cut back from the final state alone: that needs the verify step's per-token states, which the
+        speculative decoding work adds; until then dropping tokens of a model with KDA layers raises."""
+        blocks = self.ledger.seqs[seq_id]
+        if not 0 <= num_keep <= blocks.length:
+            raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
+        if num_keep < blocks.length and self.conv:
+            raise NotImplementedError(
+                "rolling back KDA state needs the per-token states of the verify step (speculative decoding)"
+            )
+        blocks.length = num_keep
 
     def reset_state(self, slot: int) -> None:
         for t in (*self.conv.values(), *self.recurrent.values()):
@@ -109,108 +135,64 @@ class PagedCache:
 class CacheView:
     """The cache as the layers see it for one step: the sequences of a `ForwardBatch`, in its order.
 
-    Every MLA call goes through the attention backend switch: decode through `mla_decode` over the pages (absorbed
-    form), prefill through `mla_prefill` (expanded form over the gathered context).
+    Args:
+        cache: the storage.
+        seq_ids: the batch's sequences, in its order.
+        block_table: [N, max_pages] int32 device page ids per sequence.
+        state_indices: [N] int64 device KDA slots per sequence.
+        cache_seqlens: [N] int32 device cached tokens per sequence after the step (None: from the batch).
+        slot_mapping: [T] int64 device flat slot of each new token (None: from the batch and block table).
+        backend: the attention backend to force.
+
+    The runner passes views of its preallocated buffers for all four, so a captured step reads them in place.
     """
 
-    def __init__(self, cache: PagedCache, blocks: list[SequenceBlocks], backend: str | None = None):
+    def __init__(
+        self,
+        cache: PagedCache,
+        seq_ids: list[int],
+        block_table: torch.Tensor,
+        state_indices: torch.Tensor,
+        cache_seqlens: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        backend: str | None = None,
+    ):
         self.cache = cache
-        self.blocks = blocks
+        self.seq_ids = list(seq_ids)
+        self.block_table = block_table
+        self.state_indices = state_indices
+        self.given = cache_seqlens is not None and slot_mapping is not None
+        self.cache_seqlens = cache_seqlens
+        self.slot_mapping = slot_mapping
         self.backend = backend
-        self.slots = torch.tensor([b.slot for b in blocks], dtype=torch.long)
-        self._block_table: torch.Tensor | None = None
-        self._slots: torch.Tensor | None = None
-        self._index: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._index_batch: ForwardBatch | None = None
+        self._batch: ForwardBatch | None = None
 
-    def _token_index(self, batch: ForwardBatch, device, whole_context: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, offset) of every new token (or of every context token), packed in batch order; built once per
-        step and shared by every MLA layer."""
-        if self._index_batch is not batch:  # a view may serve several passes (as the tests do); indices are per pass
-            self._index, self._index_batch = {}, batch
-        key = ("context" if whole_context else "new", str(device))
-        if key not in self._index:
-            ps, pages, offsets = self.cache.ledger.page_size, [], []
-            for blocks, start, n in zip(self.blocks, batch.context_lens, batch.seq_lens):
-                pos = torch.arange(0 if whole_context else start, start + n)
-                pages.append(torch.tensor(blocks.pages, dtype=torch.long)[pos // ps])
-                offsets.append(pos % ps)
-            self._index[key] = (torch.cat(pages).to(device), torch.cat(offsets).to(device))
-        return self._index[key]
+    def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do).
+        if not self.given and self._batch is not batch:
+            device = self.block_table.device
+            self.cache_seqlens = torch.tensor(batch.total_lens(), dtype=torch.int32, device=device)
+            self.slot_mapping = token_slots(self.block_table, batch, self.cache.ledger.page_size)
+            self._batch = batch
+        return self.cache_seqlens, self.slot_mapping
 
-    def write_latents(self, layer_idx: int, latent: torch.Tensor, batch: ForwardBatch) -> None:
-        """Store new latents [T, D] (packed per `batch`) at each sequence's next positions; fp8 quantises here."""
-        pages = self.cache.pages[layer_idx]
-        page, offset = self._token_index(batch, pages.device, whole_context=False)
-        if self.cache.fp8:
-            scale = latent.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-            pages[page, offset] = (latent.float() / scale[:, None]).to(FP8)
-            self.cache.scales[layer_idx][page, offset] = scale
-        else:
-            pages[page, offset] = latent.to(pages.dtype)
-
-    def _read_packed(self, layer_idx: int, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
-        """Every sequence's whole context, packed: [sum L_i, D], dequantised to `dtype`."""
-        pages = self.cache.pages[layer_idx]
-        page, offset = self._token_index(batch, pages.device, whole_context=True)
-        ctx = pages[page, offset]
-        if self.cache.fp8:
-            ctx = ctx.float() * self.cache.scales[layer_idx][page, offset][:, None]
-        return ctx.to(dtype)
-
-    def read_latents(self, layer_idx: int, batch: ForwardBatch, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Each sequence's whole context [L_i, D], dequantised to `dtype`."""
-        return list(self._read_packed(layer_idx, batch, dtype).split(batch.total_lens()))
-
-    def block_table(self, device) -> torch.Tensor:
-        """[N, max_pages] int32 page ids of the batch's sequences (rows padded with page 0, never read); built once
-        per step and shared by every MLA layer."""
-        if self._block_table is None:
-            width = max(len(b.pages) for b in self.blocks)
-            table = torch.zeros(len(self.blocks), width, dtype=torch.int32)
-            for i, b in enumerate(self.blocks):
-                table[i, : len(b.pages)] = torch.tensor(b.pages, dtype=torch.int32)
-            self._block_table = table.to(device)
-        return self._block_table
-
-    def mla_attention(self, module, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Store the new latents and attend: q [T, H, nope + rope] -> [T, H, v_dim]."""
-        self.write_latents(module.layer_idx, latent, batch)
-        w, nope, v_dim, r = module.kv_b_proj.weight, module.nope, module.v_dim, module.kv_lora_rank
-        device = q.device
-        if batch.is_decode:
-            q_lat = torch.cat([absorb_query(q[..., :nope], w, nope, v_dim), q[..., nope:]], dim=-1)
-            out, _ = mla_decode(
-                q_lat.contiguous(),
-                self.cache.pages[module.layer_idx],
-                self.block_table(device),
-                torch.tensor(batch.total_lens(), dtype=torch.int32, device=device),
-                batch.cu_seqlens,
-                module.scale,
-                r,
-                kv_scale=self.cache.scales.get(module.layer_idx),
-                backend=self.backend,
-            )
-            return unabsorb_output(out, w, nope, v_dim)
-        contexts = self._read_packed(module.layer_idx, batch, q.dtype)
-        kv = torch.nn.functional.linear(contexts[:, :r], w).view(contexts.shape[0], -1, nope + v_dim)
-        k_pe = contexts[:, None, r:].expand(-1, kv.shape[1], -1)
-        k = torch.cat([kv[..., :nope], k_pe], dim=-1)
-        cu_k = torch.tensor([0, *itertools.accumulate(batch.total_lens())], dtype=torch.int32, device=device)
-        out, _ = mla_prefill(
-            q.contiguous(), k, kv[..., nope:].contiguous(), batch.cu_seqlens, cu_k, module.scale, backend=self.backend
+    def mla_latents(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor) -> PagedLatents:
+        """This layer's pages (and fp8 scales) with the step's block table, lengths and token slots."""
+        cache_seqlens, slot_mapping = self._addressing(batch)
+        return PagedLatents(
+            pages=self.cache.pages[layer_idx],
+            scales=self.cache.scales.get(layer_idx),
+            block_table=self.block_table,
+            cache_seqlens=cache_seqlens,
+            slot_mapping=slot_mapping,
+            backend=self.backend,
         )
-        return out
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
         """The layer's state pools and the batch's slots in them: the kernels update the pools in place."""
-        if self._slots is None or self._slots.device != like.device:
-            self._slots = self.slots.to(like.device)
-        return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self._slots
-
-    def set_kda_state(self, layer_idx: int, batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor):
-        """Nothing to store: the kernels wrote the new states into the pools' slots."""
+        return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self.state_indices
 
     def commit(self, batch: ForwardBatch) -> None:
-        for blocks, total in zip(self.blocks, batch.total_lens()):
-            blocks.length = total
+        """Record each sequence's cached length after the pass."""
+        for seq_id, total in zip(self.seq_ids, batch.total_lens()):
+            self.cache.ledger.seqs[seq_id].length = total

@@ -12,10 +12,11 @@ from tqdm.auto import tqdm
 
 from ..kernels.backends import build_registry
 from ..kernels.launch import cdiv
-from ..modeling.batch import ForwardBatch
+from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
 from .cache import PagedCache, PageLedger
-from .sampling import SamplingParams, make_generator, sample
+from .runner import ModelRunner
+from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
 from .scheduler import Request, Scheduler
 
 
@@ -27,6 +28,11 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
+    # With SamplingParams.logprobs: one dict per generated token (the chosen token always in it).
+    logprobs: list[dict[int, Logprob]] | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token; entry 0 is None, entry j holds prompt token j
+    # given the tokens before it.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,6 +124,15 @@ class LLM:
         ledger = PageLedger(num_pages, page_size, max_num_seqs)
         self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
         self.scheduler = Scheduler(ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model,
+            self.cache,
+            device,
+            max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_batched_tokens,
+            max_pages_per_seq=cdiv(self.max_model_len, page_size),
+            attention_backend=attention_backend,
+        )
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
 
@@ -172,42 +187,92 @@ class LLM:
         return [self._output(r) for r in requests]
 
     def step(self) -> int:
-        """Run one scheduled forward pass; return how many requests finished."""
+        """One step: schedule -> runner -> sample -> append. Returns how many requests finished."""
         start = time.perf_counter()
         step = self.scheduler.schedule()
         if not step.requests:
             raise RuntimeError("scheduler made no progress: no running request and none admissible")
-        reqs = step.requests
-        tokens = [r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(reqs, step.num_tokens)]
-        batch = ForwardBatch.build(step.num_tokens, [r.num_computed for r in reqs], self.device)
-        ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.long, device=self.device)
-        view = self.cache.view([r.request_id for r in reqs], self.attention_backend)
-        with torch.no_grad():
-            hidden = self.model.model.forward_packed(self.model.model.embed_tokens(ids), batch, view)
-            view.commit(batch)
-            for r, n in zip(reqs, step.num_tokens):
-                r.num_computed += n
-            ready = [i for i, r in enumerate(reqs) if r.pending == 0]
-            finished = 0
-            if ready:
-                last = batch.cu_seqlens[1:].long()[ready] - 1
-                logits = self.model.lm_head(hidden[last]).float()
-                chosen = [reqs[i] for i in ready]
-                new = sample(logits, [r.params for r in chosen], [r.generator for r in chosen]).tolist()
-                for request, token in zip(chosen, new):
-                    finished += self._append(request, token)
+        out = self.runner.run(step)
+        for r, n in zip(step.requests, step.num_tokens):
+            r.num_computed += n
+        # Every row a decode, a verify group or a final prefill chunk sampled from, in one batched draw.
+        scheduled = zip(step.requests, step.phases, out.rows)
+        draws = [(i, j) for i, (r, phase, rows) in enumerate(scheduled) for j in self._sample_rows(r, phase, rows)]
+        picked = [step.requests[i] for i, _ in draws]
+        sampled = sample(out.logits[[j for _, j in draws]], [r.params for r in picked], [r.generator for r in picked])
+        sampled = sampled.tolist()
+        per_request: dict[int, list[int]] = {}
+        for (i, _), token in zip(draws, sampled):
+            per_request.setdefault(i, []).append(token)
+        finished = generated = 0
+        for i, (r, phase, tokens, rows) in enumerate(zip(step.requests, step.phases, step.token_ids, out.rows)):
+            if phase is Phase.PREFILL and r.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(r, tokens, out.logits[rows])
+            if i in per_request:
+                new, done = self._accept(r, phase, tokens, per_request[i], out.logits[rows])
+                generated += new
+                finished += done
         self.metrics.append(
             StepMetrics(
                 step=len(self.metrics),
                 seconds=time.perf_counter() - start,
                 scheduled_tokens=step.total_tokens,
-                generated_tokens=len(ready),
+                generated_tokens=generated,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 pages_in_use=self.scheduler.ledger.pages_in_use,
             )
         )
         return finished
+
+    @staticmethod
+    def _sample_rows(request: Request, phase: Phase, rows: slice) -> range:
+        """Rows of `logits` to sample for `request`: all of a verify group, the last of a decode or final chunk."""
+        if phase is Phase.VERIFY:
+            return range(rows.start, rows.stop)
+        if request.prefilling or rows.stop == rows.start:
+            return range(0)
+        return range(rows.stop - 1, rows.stop)
+
+    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits) -> tuple[int, int]:
+        """Append the sampled tokens; for a verify group, the drafts that match the draws and then the first draw
+        that does not (or the bonus draw after the last draft). Returns (tokens appended, whether it finished).
+
+        Accepting a draft exactly when the draw equals it keeps every token distributed as plain sampling would.
+        The cache keeps the accepted tokens only (`PagedCache.rollback`)."""
+        drafts = tokens[1:] if phase is Phase.VERIFY else []
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        new = sampled[: accepted + 1]
+        request.draft_token_ids = []
+        appended = 0
+        first = len(logits) - len(sampled)  # the sampled rows are the last ones of the request's rows
+        for j, token in enumerate(new):
+            if request.params.logprobs is not None:
+                request.logprobs = request.logprobs or []
+                request.logprobs += self._logprobs(logits[first + j : first + j + 1], [token], request.params.logprobs)
+            appended += 1
+            if self._append(request, token):
+                return appended, 1
+        if accepted < len(drafts):
+            keep = request.num_computed - (len(drafts) - accepted)
+            self.cache.rollback(request.request_id, keep)
+            request.num_computed = keep
+        return appended, 0
+
+    def _record_prompt_logprobs(self, request: Request, tokens: list[int], logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens 1.. from the chunk's rows (row j predicts the token after chunk token j)."""
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]
+        start = len(request.prompt_logprobs)  # the prompt index the chunk's first row predicts
+        targets = request.prompt_ids[start : start + len(tokens)]
+        entries = self._logprobs(logits[: len(targets)], targets, request.params.prompt_logprobs)
+        request.prompt_logprobs.extend(entries)
+
+    def _logprobs(self, logits: torch.Tensor, token_ids: list[int], n: int) -> list[dict[int, Logprob]]:
+        decode = None if self.tokenizer is None else (lambda t: self.tokenizer.decode([t]))
+        return logprobs_of(logits, token_ids, [n] * len(token_ids), decode)
 
     # ---------------------------------------------------------------- internals
     def _make_request(self, prompt, params: SamplingParams) -> Request:
@@ -249,4 +314,6 @@ class LLM:
         text = r.text
         if not text and self.tokenizer is not None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, r.output_ids, text, r.finish_reason)
+        return RequestOutput(
+            r.request_id, r.prompt, r.prompt_ids, r.output_ids, text, r.finish_reason, r.logprobs, r.prompt_logprobs
+        )

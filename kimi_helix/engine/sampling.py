@@ -1,4 +1,4 @@
-"""Per-request sampling: `SamplingParams`, `make_generator` and the batched `sample`.
+"""Per-request sampling: `SamplingParams`, `make_generator`, the batched `sample` and `logprobs_of`.
 
 Every request carries its own `torch.Generator`, and `sample` draws each row with that row's generator only, so a
 seeded request produces the same tokens whatever else shares its batch (and wherever it sits in it).
@@ -34,6 +34,12 @@ class SamplingParams:
         stop: strings that end generation when the text produces them; a single str is accepted.
         stop_token_ids: token ids (ints >= 0) that end generation.
         ignore_eos: keep generating past the model's EOS token.
+        logprobs: None, or n >= 0: return, per generated token, the log-probabilities of the n most likely tokens
+            plus the chosen one (vLLM's meaning; 0 = only the chosen token).
+        prompt_logprobs: None, or n >= 0: the same for every prompt token after the first (given the ones before).
+
+    Log-probabilities are the model's own: log-softmax of the fp32 logits before temperature, top-k and top-p (as
+    vLLM returns them), so they do not depend on how the token was drawn.
 
     Every field is checked on construction; a bad value raises `ValueError` naming the field and its range.
     """
@@ -46,6 +52,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -81,10 +89,59 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"SamplingParams.{name} must be None or an int >= 0, got {value!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the model, its rank (1 = the argmax) and its text (None without a
+    tokenizer)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+def logprobs_of(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int], decode=None
+) -> list[dict[int, Logprob]]:
+    """Per row, the log-probabilities of `token_ids[i]` and of the row's `num_top[i]` most likely tokens.
+
+    Args:
+        logits: [R, V] model logits (computed in fp32; no temperature or filtering applied).
+        token_ids: R actual tokens (the sampled or the prompt token), always in the row's dict.
+        num_top: R counts n >= 0 of top tokens to add.
+        decode: optional callable token id -> text for `Logprob.decoded_token`.
+
+    Returns:
+        R dicts token id -> `Logprob`; a rank is 1 + the number of tokens with a strictly larger log-probability.
+    """
+    if logits.dim() != 2 or len(token_ids) != logits.shape[0] or len(num_top) != logits.shape[0]:
+        raise ValueError(
+            f"logits [R, V] {tuple(logits.shape)} needs R token_ids and num_top, got {len(token_ids)}, {len(num_top)}"
+        )
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(token_ids, dtype=torch.long, device=logp.device)
+    chosen_logp = logp.gather(1, chosen[:, None])
+    chosen_rank = (logp > chosen_logp).sum(-1) + 1
+    top_logp, top_ids = logp.topk(max(num_top, default=0), dim=-1)
+    rows = zip(token_ids, chosen_logp[:, 0].tolist(), chosen_rank.tolist(), top_logp.tolist(), top_ids.tolist())
+    out = []
+    for (tok, lp, rank, tops, ids), n in zip(rows, num_top):
+        entry = {i: Logprob(v, r + 1, None) for r, (v, i) in enumerate(zip(tops[:n], ids[:n]))}
+        entry[tok] = Logprob(lp, rank, None)
+        if decode is not None:
+            for i, item in entry.items():
+                item.decoded_token = decode(i)
+        out.append(entry)
+    return out
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -1,9 +1,19 @@
 """Continuous batching: requests join and leave the running batch between steps.
 
-Each step schedules, for every running request, its pending tokens: one for a decoding request, a chunk of the
-prompt for a prefilling one, decodes first so that a long prompt never stalls them, within a token budget. A
-request is admitted only when the ledger can give it a state slot and every page it may need (prompt +
-max_tokens), so running requests never wait for pages; new requests wait until finished ones free theirs.
+Each step declares, for every running request, its phase and its new tokens, within the token budget
+`max_num_batched_tokens` (B):
+
+1. Every running request gets one token first: a decode its token, a verify group its last sampled token, a
+   prefilling request the first token of its chunk. At most min(max_num_seqs, B) requests run, so this always fits
+   and no running request ever gets zero tokens in a step.
+2. The rest of B goes to verify drafts (decoding requests with `draft_token_ids`), in running order: a group of
+   1 + k tokens, k cut to what the budget and the request's remaining `max_tokens` allow.
+3. What is left goes to prefill chunks in arrival order, each taking as much of its remaining prompt as fits
+   (chunked prefill: a long prompt never takes the budget from running decodes).
+
+The step lists decodes and verify groups before prefill chunks. A request is admitted, in arrival order, only
+when the ledger can give it a state slot and every page it may need (prompt + max_tokens - 1), so running
+requests never wait for pages; a request that does not fit yet blocks the ones behind it (no starvation).
 """
 
 from __future__ import annotations
@@ -13,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..modeling.batch import Phase
 from .cache import PageLedger
-from .sampling import SamplingParams
+from .sampling import Logprob, SamplingParams
 
 
 @dataclass
@@ -28,6 +39,14 @@ class Request:
     num_computed: int = 0  # tokens whose KV/state is in the cache
     finish_reason: str | None = None
     text: str = ""
+    # Draft tokens to verify after the last sampled one (set by a speculative proposer; empty normally).
+    draft_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -45,8 +64,16 @@ class Request:
 
 @dataclass
 class ScheduledStep:
+    """One step: per scheduled request (decodes and verify groups first, then prefill chunks) its phase and new
+    token ids. A verify group's tokens are the last sampled token followed by its drafts."""
+
     requests: list[Request]
-    num_tokens: list[int]  # new tokens per request, in order
+    phases: list[Phase]
+    token_ids: list[list[int]]
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(t) for t in self.token_ids]
 
     @property
     def total_tokens(self) -> int:
@@ -84,24 +111,30 @@ class Scheduler:
             )
 
     def schedule(self) -> ScheduledStep:
-        # Admit in arrival order; a request that does not fit yet blocks the ones behind it (no starvation).
-        while (
-            self.waiting
-            and len(self.running) < self.max_num_seqs
-            and self.ledger.can_admit(self.waiting[0].reserve_tokens)
-        ):
+        """Admit what fits, then split the token budget as the module docstring says."""
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        while self.waiting and len(self.running) < limit and self.ledger.can_admit(self.waiting[0].reserve_tokens):
             request = self.waiting.popleft()
             self.ledger.admit(request.request_id, request.reserve_tokens)
             self.running.append(request)
-        budget = self.max_num_batched_tokens
-        chosen, counts = [], []
-        for request in sorted(self.running, key=lambda r: r.pending > 1):  # decodes first
-            n = min(request.pending, budget)
-            if n > 0:
-                chosen.append(request)
-                counts.append(n)
-                budget -= n
-        return ScheduledStep(chosen, counts)
+        decoding = [r for r in self.running if not r.prefilling]
+        prefilling = [r for r in self.running if r.prefilling]
+        budget = self.max_num_batched_tokens - len(self.running)  # one token each is already granted
+        step = ScheduledStep([], [], [])
+        for r in decoding:
+            # The cache holds at most reserve_tokens: drafts past the last token max_tokens allows are never used.
+            k = min(len(r.draft_token_ids), budget, r.reserve_tokens - r.num_computed - 1)
+            budget -= k
+            step.requests.append(r)
+            step.phases.append(Phase.VERIFY if k > 0 else Phase.DECODE)
+            step.token_ids.append([r.token_ids[r.num_computed], *r.draft_token_ids[:k]])
+        for r in prefilling:
+            n = 1 + min(len(r.prompt_ids) - r.num_computed - 1, budget)
+            budget -= n - 1
+            step.requests.append(r)
+            step.phases.append(Phase.PREFILL)
+            step.token_ids.append(r.prompt_ids[r.num_computed : r.num_computed + n])
+        return step
 
     def finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

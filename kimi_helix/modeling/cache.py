@@ -1,9 +1,10 @@
 """`KimiK3Cache`: the per-request cache of the HF `generate()` path.
 
 It stores exactly what the engine's paged cache stores (the MLA latent per token, the KDA conv and recurrent
-states per sequence) behind the same calls the layers make: `mla_attention`, `kda_state` and `set_kda_state`.
-Rows are the batch rows of `generate()`; left padding is never stored, so rows may hold
-contexts of different lengths.
+states per sequence) behind the same calls the layers make: `mla_latents` and `kda_state`. Each batch row owns one
+page that grows (by powers of two) with its context, and one state slot, so the layers run the same paged maths
+and the same state-pool kernels as in the engine. Left padding is never stored, so rows may hold contexts of
+different lengths.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import torch
 
 from .batch import ForwardBatch
 from .config import KimiK3Config
-from .mla import attend_contexts
+from .paged_mla import PagedLatents, token_slots
+
+MIN_PAGE = 64  # smallest per-row page; pages double from here so the page size (a kernel constant) rarely changes
 
 
 class KimiK3Cache:
     """Hybrid cache for `batch_size` sequences.
 
-    Per MLA layer: a list of latents [L_b, kv_lora_rank + rope] per row. Per KDA layer: conv state
-    [B, W-1, 3P] (in the model dtype) and recurrent state [B, H, K, V] (fp32). Storage is allocated on first use,
-    on the device and dtype of the activations.
+    Per MLA layer: pages [B, page_size, kv_lora_rank + rope], page b holding row b's latents. Per KDA layer: conv
+    state [B, W-1, 3P] (in the model dtype) and recurrent state [B, H, K, V] (fp32), slot b for row b. Storage is
+    allocated on first use, on the device and dtype of the activations.
     """
 
     is_compileable = False
@@ -29,13 +32,18 @@ class KimiK3Cache:
         self.config = config
         self.batch_size = batch_size
         self.seq_lens = [0] * batch_size
-        self.latents: dict[int, list[torch.Tensor]] = {}
+        self.pages: dict[int, torch.Tensor] = {}
         self.conv_states: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
 
     @property
     def is_linear(self) -> list[bool]:
         return [t == "linear_attention" for t in self.config.layer_types]
+
+    @property
+    def latents(self) -> dict[int, list[torch.Tensor]]:
+        """Per MLA layer, each row's cached latents [L_b, kv_lora_rank + rope] (views into the pages)."""
+        return {layer: [p[b, :n] for b, n in enumerate(self.seq_lens)] for layer, p in self.pages.items()}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Longest cached row (the HF convention for a batch)."""
@@ -48,23 +56,31 @@ class KimiK3Cache:
                 f"continues {batch.num_seqs} rows from lengths {batch.context_lens}"
             )
 
-    def append_mla(self, layer_idx: int, latent: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor]:
-        """Store new latents [T, D] (packed per `batch`) and return each row's full context [L_b, D]."""
+    def mla_latents(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor) -> PagedLatents:
+        """This layer's pages, grown to hold the batch's new tokens, and the step's addressing into them."""
         self._check_batch(batch)
-        rows = self.latents.get(layer_idx)
-        if rows is None:
-            rows = [latent.new_empty(0, latent.shape[-1]) for _ in range(self.batch_size)]
-        rows = [torch.cat([old, new]) for old, new in zip(rows, latent.split(batch.seq_lens))]
-        self.latents[layer_idx] = rows
-        return rows
-
-    def mla_attention(self, module, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Store the new latents and attend with the torch reference: q [T, H, nope + rope] -> [T, H, v_dim]."""
-        return attend_contexts(module, q, self.append_mla(module.layer_idx, latent, batch), batch)
+        need = max(batch.total_lens(), default=0)
+        pages = self.pages.get(layer_idx)
+        size = MIN_PAGE if pages is None else pages.shape[1]
+        while size < need:
+            size *= 2
+        if pages is None or pages.shape[1] < size:
+            grown = like.new_zeros(self.batch_size, size, like.shape[-1])
+            if pages is not None:
+                grown[:, : pages.shape[1]] = pages
+            self.pages[layer_idx] = pages = grown
+        rows = torch.arange(self.batch_size, dtype=torch.int32, device=like.device)[:, None]
+        return PagedLatents(
+            pages=pages,
+            scales=None,
+            block_table=rows,
+            cache_seqlens=torch.tensor(batch.total_lens(), dtype=torch.int32, device=like.device),
+            slot_mapping=token_slots(rows, batch, size),
+        )
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
-        """This layer's (conv [B, W-1, 3P], recurrent [B, H, K, V] fp32, None) states, one per row (so no slot
-        indices); zeros for a new row. The conv state takes the dtype and device of `like`, the activations."""
+        """This layer's state pools (conv [B, W-1, 3P] in the dtype of `like`, recurrent [B, H, K, V] fp32) and the
+        batch's slots in them (row b uses slot b); zeros for a new row. The kernels update the pools in place."""
         self._check_batch(batch)
         if layer_idx not in self.recurrent_states:
             c = self.config
@@ -73,11 +89,8 @@ class KimiK3Cache:
             self.recurrent_states[layer_idx] = torch.zeros(
                 self.batch_size, h, k, k, dtype=torch.float32, device=like.device
             )
-        return self.conv_states[layer_idx], self.recurrent_states[layer_idx], None
-
-    def set_kda_state(self, layer_idx: int, batch: ForwardBatch, conv: torch.Tensor, recurrent: torch.Tensor):
-        self.conv_states[layer_idx] = conv
-        self.recurrent_states[layer_idx] = recurrent
+        slots = torch.arange(self.batch_size, device=like.device)
+        return self.conv_states[layer_idx], self.recurrent_states[layer_idx], slots
 
     def commit(self, batch: ForwardBatch) -> None:
         """Account for the tokens of a finished forward pass."""
@@ -87,6 +100,6 @@ class KimiK3Cache:
         """Reorder rows for beam search."""
         idx = beam_idx.tolist()
         self.seq_lens = [self.seq_lens[i] for i in idx]
-        self.latents = {layer: [rows[i] for i in idx] for layer, rows in self.latents.items()}
+        self.pages = {layer: p[beam_idx.to(p.device)] for layer, p in self.pages.items()}
         self.conv_states = {layer: s[beam_idx.to(s.device)] for layer, s in self.conv_states.items()}
         self.recurrent_states = {layer: s[beam_idx.to(s.device)] for layer, s in self.recurrent_states.items()}

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
 from ..kernels.kda import kda_chunk, kda_gate, kda_recurrent
-from .batch import ForwardBatch
+from .batch import ForwardBatch, PhaseRun
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
 
@@ -57,36 +57,45 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d].
 
-        `cache.kda_state` gives this layer's conv [*, W-1, 3P] and fp32 recurrent [*, H, K, V] states and the slot
-        of each sequence of the batch (None: the states are already per sequence, in batch order). With slots the
-        kernels read and update the state pools in place; `cache.set_kda_state` then receives the pools."""
+        `cache.kda_state` gives this layer's conv [slots, W-1, 3P] and fp32 recurrent [slots, H, K, V] state pools
+        and the slot of each sequence of the batch; the kernels read and update the pools in place. Each phase
+        run takes its own kernels (see `_mix`)."""
         t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
         conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        if batch.is_decode:
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        outs = [
+            self._mix(run, qkv[run.tokens], g[run.tokens], beta[run.tokens], conv_state, state, slots[run.seqs])
+            for run in batch.runs()
+        ]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o, gate.view(t, h, k))
+        return self.o_proj(o.reshape(t, h * k))
+
+    def _mix(self, run: PhaseRun, qkv, g, beta, conv_state, state, slots) -> torch.Tensor:
+        """Short conv and delta rule of one phase run: qkv [t, 3P], g [t, H, K], beta [t, H] -> o [t, H, V].
+
+        Decodes take the one-token conv update; verify groups and prefill chunks the varlen conv. The delta rule
+        runs recurrent (token by token) for decodes and verify groups, chunked for prefill chunks."""
+        t, (h, k), cu = qkv.shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
+        if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight(), state_indices=slots)
         else:
-            qkv, conv_state = causal_conv1d(
-                qkv[None], self.conv_weight(), conv_state, True, batch.cu_seqlens, state_indices=slots
-            )
-            qkv = qkv[0]
+            qkv = causal_conv1d(qkv[None], self.conv_weight(), conv_state, True, cu, state_indices=slots)[0][0]
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())[None]
-        core = kda_recurrent if batch.is_decode else kda_chunk
-        o, state = core(
+        core = kda_recurrent if run.decode_path else kda_chunk
+        o, _ = core(
             q,
             k_,
             v,
-            g,
-            beta,
+            g[None],
+            beta[None],
             initial_state=state,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=batch.cu_seqlens,
+            cu_seqlens=cu,
             state_indices=slots,
         )
-        cache.set_kda_state(self.layer_idx, batch, conv_state, state)
-        gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o[0], gate.view(t, h, k))
-        return self.o_proj(o.reshape(t, h * k))
+        return o[0]

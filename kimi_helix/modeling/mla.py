@@ -21,6 +21,7 @@ from torch import nn
 from .batch import ForwardBatch
 from .config import KimiK3Config
 from .layers import RMSNorm, apply_rotary
+from .paged_mla import absorb_query, paged_mla_attention, unabsorb_output
 
 
 def softmax_attention(
@@ -64,20 +65,6 @@ def mla_expanded(
     k_nope, v = kv[..., :nope], kv[..., nope:]
     k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
     return softmax_attention(q, k, v, scale, q_offset)[0]
-
-
-def absorb_query(q_nope: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, v_dim: int) -> torch.Tensor:
-    """Map `q_nope` [T, H, nope] into the latent space: [T, H, r] (`q_nope @ W_UK` per head)."""
-    h = q_nope.shape[1]
-    w = kv_b_weight.view(h, nope + v_dim, -1)
-    return torch.einsum("thd,hdr->thr", q_nope, w[:, :nope])
-
-
-def unabsorb_output(o_latent: torch.Tensor, kv_b_weight: torch.Tensor, nope: int, v_dim: int) -> torch.Tensor:
-    """Map the latent attention output [T, H, r] to per-head values [T, H, v_dim] (`o @ W_UV^T`)."""
-    h = o_latent.shape[1]
-    w = kv_b_weight.view(h, nope + v_dim, -1)
-    return torch.einsum("thr,hvr->thv", o_latent, w[:, nope:])
 
 
 def mla_absorbed(
@@ -131,22 +118,11 @@ class MLAttention(nn.Module):
         return q, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """x [T, d] packed tokens -> [T, d]. `cache.mla_attention` stores the new latents and attends."""
+        """x [T, d] packed tokens -> [T, d]. `cache.mla_latents` gives this layer's pages and this step's
+        addressing (`PagedLatents`); the new latents are stored there and attended per declared phase."""
         q, latent = self.project(x, batch.positions)
-        o = cache.mla_attention(self, q, latent, batch).reshape(x.shape[0], -1)
+        kv = cache.mla_latents(self.layer_idx, batch, like=latent)
+        o = paged_mla_attention(self, q, latent, batch, kv).reshape(x.shape[0], -1)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
-
-
-def attend_contexts(module: MLAttention, q: torch.Tensor, contexts: list[torch.Tensor], batch: ForwardBatch):
-    """Reference MLA over per-sequence contexts [L_i, r + rope]: q [T, H, nope + rope] -> [T, H, v_dim].
-
-    Decode reads only the latent (absorbed form); prefill expands it once for all its queries.
-    """
-    attend = mla_absorbed if batch.is_decode else mla_expanded
-    outs = []
-    for q_seq, ctx in zip(q.split(batch.seq_lens), contexts):
-        offset = ctx.shape[0] - q_seq.shape[0]
-        outs.append(attend(q_seq, ctx, module.kv_b_proj.weight, module.nope, module.v_dim, module.scale, offset))
-    return torch.cat(outs)

@@ -6,6 +6,7 @@ import torch
 from kimi_helix import KimiK3Cache, KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.engine import LLM, SamplingParams
 from kimi_helix.modeling.batch import ForwardBatch
+from kimi_helix.modeling.paged_mla import gather_context
 
 from ..modeling.conftest import k3_kwargs, randomize_router_bias, rel_err, tiny_kwargs
 
@@ -127,5 +128,6 @@ def test_hf_cache_and_paged_cache_hold_the_same_latents():
     with torch.no_grad():
         model.model.forward_packed(model.model.embed_tokens(ids[0]), batch, llm.cache.view([0]))
     layer = next(iter(hf.latents))
-    paged = llm.cache.view([0]).read_latents(layer, batch, torch.float32)[0]
+    kv = llm.cache.view([0]).mla_latents(layer, batch, like=None)
+    paged = gather_context(kv, kv.block_table, [20], torch.float32)
     assert torch.equal(paged, hf.latents[layer][0])
