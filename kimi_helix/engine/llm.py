@@ -15,6 +15,7 @@ from ..kernels.launch import cdiv
 from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
 from .cache import PagedCache, PageLedger
+from .cuda_graph import StepGraphs
 from .runner import ModelRunner
 from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
 from .scheduler import Request, Scheduler
@@ -72,6 +73,8 @@ class LLM:
             "torch", "triton", "sdpa" to force one (a forced backend that cannot serve a call raises).
         num_pages: cache pages; default sized from free GPU memory, or for 8 full-length sequences on CPU.
         max_num_batched_tokens: token budget per step (chunked prefill); default 2048.
+        enforce_eager: run every step eagerly; by default on CUDA uniform decode and verify steps replay CUDA
+            graphs (`engine.cuda_graph`), which reserve one extra state slot and cache page for padding rows.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class LLM:
         num_pages: int | None = None,
         max_num_batched_tokens: int = 2048,
         tokenizer=None,
+        enforce_eager: bool = False,
     ):
         if attention_backend is not None and attention_backend not in build_registry():
             raise ValueError(
@@ -121,7 +125,8 @@ class LLM:
         self.max_model_len = max_model_len or min(config.model_max_length, 8192)
         if num_pages is None:
             num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
-        ledger = PageLedger(num_pages, page_size, max_num_seqs)
+        use_graphs = device.type == "cuda" and not enforce_eager
+        ledger = PageLedger(num_pages + use_graphs, page_size, max_num_seqs + use_graphs)
         self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
         self.scheduler = Scheduler(ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(
@@ -133,6 +138,8 @@ class LLM:
             max_pages_per_seq=cdiv(self.max_model_len, page_size),
             attention_backend=attention_backend,
         )
+        if use_graphs:
+            self.runner.graphs = StepGraphs(self.runner)
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
 
