@@ -64,7 +64,7 @@ class GraphKey:
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: run eagerly from the static buffers (`use_graphs=False`)
     logits: torch.Tensor  # [num_tokens, V] fp32, the graph's output buffer
     pad_positions: torch.Tensor  # [num_tokens] position of each token within its (padding) sequence
     pad_slots: torch.Tensor  # [num_tokens] the scratch page's slots those positions write
@@ -78,13 +78,22 @@ class StepGraphs:
         runner: the runner whose `forward` and buffers are captured (CUDA only).
         buckets: batch sizes to capture (default `default_buckets`), capped by the runner's buffers.
         max_draft_tokens: the largest k of a verify step taken by a graph.
+        use_graphs: False runs each padded bucket-shaped step eagerly from the same static buffers instead of
+            replaying a graph (any device): a graph's exact inputs without capture, to tell a capture problem from
+            a padding problem, and what the CPU tests check the padding with.
 
     Reserves a scratch sequence in the runner's ledger (one state slot, one page): the engine sizes its ledger
     one slot and one page above what requests may use.
     """
 
-    def __init__(self, runner: ModelRunner, buckets: tuple[int, ...] | None = None, max_draft_tokens: int = 8):
-        if runner.device.type != "cuda":
+    def __init__(
+        self,
+        runner: ModelRunner,
+        buckets: tuple[int, ...] | None = None,
+        max_draft_tokens: int = 8,
+        use_graphs: bool = True,
+    ):
+        if use_graphs and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
         if not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be an int >= 0, got {max_draft_tokens!r}")
@@ -103,7 +112,8 @@ class StepGraphs:
         runner.cache.reset_state(self.scratch_slot)
         # every logit row of a uniform step, in packed order (ModelRunner._logit_tokens for decode and verify)
         self.rows = torch.arange(self.max_tokens, device=runner.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.use_graphs = use_graphs
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.graphs: dict[GraphKey, _Captured] = {}
         self.uncapturable: dict[GraphKey, str] = {}  # shapes whose forward syncs with the host, and why
 
@@ -133,7 +143,11 @@ class StepGraphs:
             return None
         inputs, rows = self.runner.prepare(step)
         self._pad(key, captured, len(step.requests))
-        captured.graph.replay()
+        if captured.graph is None:
+            with torch.no_grad():
+                captured.logits = self.runner.forward(self._inputs(key))
+        else:
+            captured.graph.replay()
         inputs.view.commit(inputs.batch)
         return RunnerOutput(captured.logits[: step.total_tokens], rows)
 
@@ -149,12 +163,15 @@ class StepGraphs:
         positions = torch.arange(key.num_tokens, device=device) % q
         page_size = self.runner.cache.ledger.page_size
         captured = _Captured(
-            graph=torch.cuda.CUDAGraph(),
+            graph=torch.cuda.CUDAGraph() if self.use_graphs else None,
             logits=torch.empty(0),
             pad_positions=positions,
             pad_slots=self.scratch_page * page_size + positions,
             pad_cu_seqlens=torch.arange(key.batch + 1, dtype=torch.int32, device=device) * q,
         )
+        if captured.graph is None:
+            self.graphs[key] = captured
+            return captured
         self._pad(key, captured, 0)
         inputs = self._inputs(key)
         side = torch.cuda.Stream(device)
