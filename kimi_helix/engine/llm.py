@@ -205,12 +205,13 @@ class LLM:
         # Every row a decode, a verify group or a final prefill chunk sampled from, in one batched draw.
         scheduled = zip(step.requests, step.phases, out.rows)
         draws = [(i, j) for i, (r, phase, rows) in enumerate(scheduled) for j in self._sample_rows(r, phase, rows)]
-        picked = [step.requests[i] for i, _ in draws]
-        sampled = sample(out.logits[[j for _, j in draws]], [r.params for r in picked], [r.generator for r in picked])
-        sampled = sampled.tolist()
         per_request: dict[int, list[int]] = {}
-        for (i, _), token in zip(draws, sampled):
-            per_request.setdefault(i, []).append(token)
+        if draws:
+            picked = [step.requests[i] for i, _ in draws]
+            rows = out.logits[torch.tensor([j for _, j in draws], device=out.logits.device)]
+            sampled = sample(rows, [r.params for r in picked], [r.generator for r in picked]).tolist()
+            for (i, _), token in zip(draws, sampled):
+                per_request.setdefault(i, []).append(token)
         finished = generated = 0
         for i, (r, phase, tokens, rows) in enumerate(zip(step.requests, step.phases, step.token_ids, out.rows)):
             if phase is Phase.PREFILL and r.params.prompt_logprobs is not None:

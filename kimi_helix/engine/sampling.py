@@ -132,10 +132,12 @@ def logprobs_of(
     chosen_logp = logp.gather(1, chosen[:, None])
     chosen_rank = (logp > chosen_logp).sum(-1) + 1
     top_logp, top_ids = logp.topk(max(num_top, default=0), dim=-1)
+    # Every token above a top-n one is itself in the top n, so counting inside the top n ranks it (ties share).
+    top_rank = (top_logp[:, None, :] > top_logp[..., None]).sum(-1) + 1
     rows = zip(token_ids, chosen_logp[:, 0].tolist(), chosen_rank.tolist(), top_logp.tolist(), top_ids.tolist())
     out = []
-    for (tok, lp, rank, tops, ids), n in zip(rows, num_top):
-        entry = {i: Logprob(v, r + 1, None) for r, (v, i) in enumerate(zip(tops[:n], ids[:n]))}
+    for (tok, lp, rank, tops, ids), ranks, n in zip(rows, top_rank.tolist(), num_top):
+        entry = {i: Logprob(v, r, None) for v, i, r in zip(tops[:n], ids[:n], ranks[:n])}
         entry[tok] = Logprob(lp, rank, None)
         if decode is not None:
             for i, item in entry.items():

@@ -35,6 +35,7 @@ class KimiK3Cache:
         self.pages: dict[int, torch.Tensor] = {}
         self.conv_states: dict[int, torch.Tensor] = {}
         self.recurrent_states: dict[int, torch.Tensor] = {}
+        self._addressing: tuple | None = None
 
     @property
     def is_linear(self) -> list[bool]:
@@ -69,14 +70,12 @@ class KimiK3Cache:
             if pages is not None:
                 grown[:, : pages.shape[1]] = pages
             self.pages[layer_idx] = pages = grown
-        rows = torch.arange(self.batch_size, dtype=torch.int32, device=like.device)[:, None]
-        return PagedLatents(
-            pages=pages,
-            scales=None,
-            block_table=rows,
-            cache_seqlens=torch.tensor(batch.total_lens(), dtype=torch.int32, device=like.device),
-            slot_mapping=token_slots(rows, batch, size),
-        )
+        if self._addressing is None or self._addressing[0] is not batch or self._addressing[1] != size:
+            rows = torch.arange(self.batch_size, dtype=torch.int32, device=like.device)[:, None]
+            lens = torch.tensor(batch.total_lens(), dtype=torch.int32, device=like.device)
+            self._addressing = (batch, size, rows, lens, token_slots(rows, batch, size))  # shared by the layers
+        _, _, rows, lens, slots = self._addressing
+        return PagedLatents(pages=pages, scales=None, block_table=rows, cache_seqlens=lens, slot_mapping=slots)
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
         """This layer's state pools (conv [B, W-1, 3P] in the dtype of `like`, recurrent [B, H, K, V] fp32) and the

@@ -1,0 +1,76 @@
+"""ModelRunner: logits at the requested rows equal the full forward's, for verify groups in a mixed step too."""
+
+import torch
+
+from kimi_helix.engine import LLM, SamplingParams
+from kimi_helix.engine.scheduler import Request, ScheduledStep
+from kimi_helix.modeling.batch import Phase
+
+from .test_llm import make_model, prompts
+
+
+def admitted(llm, i, prompt, max_tokens=16, **params):
+    r = Request(i, None, prompt, SamplingParams(max_tokens=max_tokens, **params), None)
+    llm.cache.ledger.admit(i, r.reserve_tokens)
+    return r
+
+
+def run(llm, entries):
+    """Run one step of (request, phase, token ids) entries and advance the requests' cached lengths."""
+    step = ScheduledStep([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])
+    out = llm.runner.run(step)
+    for r, tokens in zip(step.requests, step.token_ids):
+        r.num_computed += len(tokens)
+    return out
+
+
+def full_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_verify_logits_equal_the_full_forward_at_every_position_in_a_mixed_step():
+    model = make_model()
+    llm = LLM(model, page_size=8, max_num_batched_tokens=64)
+    a, b, c, extra = prompts([21, 13, 30, 6], seed=11)
+    ra, rb = admitted(llm, 0, a), admitted(llm, 1, b)
+    rc = admitted(llm, 2, c, prompt_logprobs=0)
+    first = run(llm, [(ra, Phase.PREFILL, a), (rb, Phase.PREFILL, b)])
+    assert [s.stop - s.start for s in first.rows] == [1, 1]  # last prompt token of each final chunk
+    torch.testing.assert_close(first.logits[first.rows[0]], full_logits(model, a)[-1:], rtol=1e-5, atol=1e-5)
+    # A verify group of 1 + 5 tokens, a decode and an intermediate prefill chunk (with prompt_logprobs) together.
+    out = run(llm, [(ra, Phase.VERIFY, extra), (rb, Phase.DECODE, extra[:1]), (rc, Phase.PREFILL, c[:17])])
+    assert [s.stop - s.start for s in out.rows] == [6, 1, 17]
+    checks = [(a + extra, 21, 6), (b + extra[:1], 13, 1), (c[:17], 0, 17)]
+    for rows, (ids, start, n) in zip(out.rows, checks):
+        torch.testing.assert_close(out.logits[rows], full_logits(model, ids)[start : start + n], rtol=1e-5, atol=1e-5)
+
+
+def test_intermediate_prefill_chunks_return_no_rows():
+    llm = LLM(make_model(), page_size=8)
+    (p,) = prompts([20], seed=12)
+    r = admitted(llm, 0, p)
+    out = run(llm, [(r, Phase.PREFILL, p[:12])])
+    assert out.rows == [slice(0, 0)] and out.logits.shape[0] == 0
+    out = run(llm, [(r, Phase.PREFILL, p[12:])])
+    assert out.rows == [slice(0, 1)]
+
+
+def test_steps_of_one_shape_read_the_same_device_buffers():
+    """What CUDA graph replay needs: every input the forward reads lives at a fixed address."""
+    llm = LLM(make_model(), page_size=8)
+    reqs = [admitted(llm, i, p) for i, p in enumerate(prompts([9, 14], seed=13))]
+    run(llm, [(r, Phase.PREFILL, r.prompt_ids) for r in reqs])
+
+    def addresses():
+        step = ScheduledStep(reqs, [Phase.DECODE] * 2, [[5], [6]])
+        inputs, _ = llm.runner.prepare(step)
+        v, batch = inputs.view, inputs.batch
+        tensors = (inputs.input_ids, batch.positions, batch.cu_seqlens, v.block_table, v.cache_seqlens)
+        tensors += (v.slot_mapping, v.state_indices, inputs.logits_index)
+        for r in reqs:
+            r.num_computed += 1
+        return [t.data_ptr() for t in tensors], inputs.view.cache_seqlens.tolist()
+
+    (first, lens1), (second, lens2) = addresses(), addresses()
+    assert first == second and lens2 == [n + 1 for n in lens1]
