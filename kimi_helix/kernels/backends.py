@@ -183,17 +183,8 @@ def select_backend(request: AttentionRequest, forced: str | None = None) -> Back
 
 # ---------------------------------------------------------------- the other ops: KDA, short conv, norm, MoE
 
-OPS = (
-    "kda_chunk",
-    "kda_recurrent",
-    "conv",
-    "conv_update",
-    "gated_norm",
-    "moe_experts",
-    "add_rms_norm",
-    "rotary",
-    "moe_router",
-)
+OPS = ("kda_chunk", "kda_recurrent", "conv", "conv_update", "gated_norm", "moe_experts")
+OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul")  # the fused ops of the decode step
 OP_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 
 
@@ -250,6 +241,7 @@ def build_op_registry() -> dict[str, dict[str, OpCaps]]:
             "add_rms_norm": plain,
             "rotary": plain,
             "moe_router": plain,
+            "silu_mul": plain,
         },
     }
 
