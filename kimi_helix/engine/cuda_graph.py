@@ -178,11 +178,12 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream(device))
         try:
             with torch.no_grad(), torch.cuda.stream(side):
+                mode = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     self.runner.forward(inputs)
                 finally:
-                    torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.set_sync_debug_mode(mode)
                 self.runner.forward(inputs)
             torch.cuda.current_stream(device).wait_stream(side)
             with torch.no_grad(), torch.cuda.graph(captured.graph, pool=self.pool):
