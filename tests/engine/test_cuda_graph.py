@@ -48,23 +48,34 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(3, 128, (m,), generator=g).tolist() for m in lens]
 
 
-def _llm(model, graphs: bool) -> LLM:
+def _llm(model, graphs: bool, kv_cache_dtype: str = "auto") -> LLM:
     """An engine with graphs (real ones on CUDA, static-buffer steps on the CPU) or without."""
     on_cuda = next(model.parameters()).is_cuda
-    llm = LLM(model, max_num_seqs=8, max_model_len=64, enforce_eager=not (graphs and on_cuda), page_size=16)
+    llm = LLM(
+        model,
+        max_num_seqs=8,
+        max_model_len=64,
+        enforce_eager=not (graphs and on_cuda),
+        page_size=16,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     if graphs and not on_cuda:
         llm.runner.graphs = StepGraphs(llm.runner, use_graphs=False)
     return llm
 
 
 @DEVICES
-@pytest.mark.parametrize("num_prompts", [1, 3, 8], ids=lambda n: f"b{n}")
-def test_graph_decode_gives_the_eager_tokens(device, num_prompts):
+@pytest.mark.parametrize(
+    "num_prompts,kv_cache_dtype",
+    [(1, "auto"), (3, "auto"), (8, "auto"), (3, "fp8_e4m3")],
+    ids=["b1", "b3", "b8", "b3-fp8"],
+)
+def test_graph_decode_gives_the_eager_tokens(device, num_prompts, kv_cache_dtype):
     """Greedy generation with graphs (batch sizes padded to a bucket, and one that fills it) equals eager."""
     model = _model(device)
     prompts = _prompts(num_prompts)
-    eager = [o.token_ids for o in _llm(model, graphs=False).generate(prompts, GREEDY)]
-    llm = _llm(model, graphs=True)
+    eager = [o.token_ids for o in _llm(model, False, kv_cache_dtype).generate(prompts, GREEDY)]
+    llm = _llm(model, True, kv_cache_dtype)
     graphed = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert graphed == eager
     assert any(k.phase is Phase.DECODE for k in llm.runner.graphs.graphs), llm.runner.graphs.uncapturable
