@@ -2,11 +2,12 @@
 
 from .cache import KimiK3Cache
 from .checkpoint import CheckpointError
-from .config import KimiK3Config
+from .config import ConfigError, KimiK3Config
 from .model import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
 
 __all__ = [
     "CheckpointError",
+    "ConfigError",
     "KimiK3Cache",
     "KimiK3Config",
     "KimiK3ForCausalLM",

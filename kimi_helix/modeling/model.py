@@ -94,9 +94,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Load a local checkpoint directory (safetensors only; `kimi_k3` or Kimi-Linear's `kimi_linear`).
 
-        Keyword args: `config`, `dtype` (a torch dtype, its name, or "auto" for the checkpoint's; `torch_dtype`
-        is accepted too) and `device` / `device_map` (a single device). Raises `CheckpointError` naming any
-        missing, unexpected or wrong-shape tensor.
+        Keyword args:
+            config: a `KimiK3Config` to use instead of the folder's config.json.
+            dtype: a torch dtype, its name, or "auto" (the default) for the checkpoint's; `torch_dtype` too.
+            device: one device for every parameter (default cpu).
+            device_map: a device, a dict of module name -> device, or "auto" / "balanced" / "balanced_low_0" /
+                "sequential": accelerate places the layers across the GPUs and the CPU (`max_memory` caps each).
+            check_finite: refuse tensors holding NaN or Inf (default True; one `isfinite` per tensor).
+            progress_bar: a tqdm bar over the shards; None (default) shows it only on a terminal.
+
+        The base model (`KimiK3Model`, what `AutoModel` gives) loads a causal-LM checkpoint and skips `lm_head`.
+        Raises `CheckpointError` naming the file and tensor of anything the loader refuses (docs/reliability.md)
+        and `ConfigError` naming a bad config field.
         """
         from .checkpoint import load_pretrained
 
@@ -104,11 +113,17 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             raise TypeError(f"{cls.__name__}.from_pretrained takes no extra positional arguments, got {model_args}")
         return load_pretrained(cls, pretrained_model_name_or_path, **kwargs)
 
-    def save_pretrained(self, save_directory, max_shard_size: int | str = "5GB", **kwargs) -> None:
-        """Write config.json, generation_config.json and sharded safetensors in the Kimi-Linear tensor layout."""
+    def save_pretrained(
+        self, save_directory, max_shard_size: int | str = "5GB", *, overwrite: bool = False, **kwargs
+    ) -> None:
+        """Write config.json, generation_config.json and sharded safetensors in the Kimi-Linear tensor layout.
+
+        Deletes only stale weight files of its own naming pattern; a folder holding a different model's files is
+        refused (`CheckpointError`) unless `overwrite=True`.
+        """
         from .checkpoint import save_pretrained
 
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, **kwargs)
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size, overwrite=overwrite, **kwargs)
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -168,7 +183,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         hidden = self.forward_packed(embeds[keep], batch, work_cache)
         work_cache.commit(batch)
         out = hidden.new_zeros(bsz, t, hidden.shape[-1])
-        out[keep] = hidden
+        out[keep.to(out.device)] = hidden  # the final norm may sit on another device (device_map)
         return BaseModelOutputWithPast(last_hidden_state=out, **{_CACHE_FIELD: cache if use_cache else None})
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kimi_helix import KimiK3Config
+from kimi_helix import ConfigError, KimiK3Config
 
 from .conftest import tiny_kwargs
 
@@ -73,3 +73,111 @@ def test_native_transformers_flat_fields_are_folded_back(tmp_path):
     again = KimiK3Config(**{k: v for k, v in raw.items() if k != "model_type"})
     assert again.layer_types == config.layer_types
     assert again.linear_attn_config == config.linear_attn_config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(mla_use_nope="false"), r"mla_use_nope must be true or false \(a JSON bool\), got 'false'"),
+        (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be true or false .*got 'false'"),
+        (dict(use_grouped_topk=1), r"use_grouped_topk must be true or false .*got 1"),
+        (dict(rope_theta=0), r"rope_theta must be a number > 0, got 0"),
+        (dict(rope_theta=-10000.0), r"rope_theta must be a number > 0"),
+        (dict(rope_theta="10000"), r"rope_theta must be a number > 0, got '10000'"),
+        (dict(routed_scaling_factor=-1.0), r"routed_scaling_factor must be a number >= 0, got -1\.0"),
+        (dict(routed_scaling_factor="2.446"), r"routed_scaling_factor must be a number >= 0, got '2\.446'"),
+        (dict(rms_norm_eps=float("nan")), r"rms_norm_eps must be a number > 0, got nan"),
+        (dict(gate_lower_bound="-5"), r"gate_lower_bound must be None or a negative number, got '-5'"),
+        (dict(hidden_size=64.0), r"hidden_size must be a positive int, got 64\.0"),
+        (dict(num_hidden_layers=True), r"num_hidden_layers must be a positive int, got True"),
+        (dict(eos_token_id=[2, "3"]), r"eos_token_id must be an int >= 0, got '3'"),
+        (dict(num_nextn_predict_layers=1), r"num_nextn_predict_layers must be 0"),
+        (dict(output_router_logits=True), r"output_router_logits must be False .*got True"),
+        (dict(attention_bias=True), r"attention_bias must be False"),
+        (dict(attention_dropout=0.1), r"attention_dropout must be 0 .*got 0\.1"),
+        (dict(pretraining_tp=2), r"pretraining_tp must be 1"),
+        (dict(qk_head_dim=100), r"qk_head_dim \(100\) must equal qk_nope_head_dim \+ qk_rope_head_dim \(24\)"),
+        (dict(linear_num_heads=3), r"linear_num_heads \(3\) disagrees with linear_attn_config\.num_heads \(2\)"),
+        (dict(layer_types=["linear_attention"] * 4), r"layer_types \[.*\] disagrees with linear_attn_config"),
+        (dict(linear_attn_config={**LAC, "kda_layers": 3}), r"linear_attn_config\.kda_layers must be a list"),
+    ],
+)
+def test_config_values_are_type_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        KimiK3Config(**tiny_kwargs(**overrides))
+
+
+def without_moe_pattern(**overrides):
+    kw = tiny_kwargs(**overrides)
+    kw.pop("first_k_dense_replace")
+    return kw
+
+
+@pytest.mark.parametrize(
+    "pattern, first_k, freq",
+    [
+        (["dense", "sparse", "sparse", "sparse"], 1, 1),
+        (["dense", "dense", "sparse", "sparse"], 2, 1),
+        (["sparse", "dense", "sparse", "dense"], 0, 2),
+        (["dense", "dense", "dense", "dense"], 4, 1),
+    ],
+)
+def test_mlp_layer_types_set_the_moe_pattern(pattern, first_k, freq):
+    config = KimiK3Config(**without_moe_pattern(mlp_layer_types=pattern))
+    assert (config.first_k_dense_replace, config.moe_layer_freq, config.mlp_layer_types) == (first_k, freq, pattern)
+
+
+def test_mlp_layer_types_that_the_pattern_cannot_express_are_refused():
+    with pytest.raises(ConfigError, match=r"mlp_layer_types \['dense', 'sparse', 'dense', 'sparse'\] cannot be expr"):
+        KimiK3Config(**without_moe_pattern(mlp_layer_types=["dense", "sparse", "dense", "sparse"]))
+    with pytest.raises(ConfigError, match=r"disagrees with first_k_dense_replace=1, moe_layer_freq=None"):
+        KimiK3Config(**tiny_kwargs(mlp_layer_types=["dense", "dense", "sparse", "sparse"]))
+    with pytest.raises(ConfigError, match=r"mlp_layer_types must list 'dense' or 'sparse' for each of the 4 layers"):
+        KimiK3Config(**without_moe_pattern(mlp_layer_types=["dense", "moe", "sparse", "sparse"]))
+
+
+def test_transformers_saved_config_with_late_dense_layers_loads(tmp_path):
+    """transformers' KimiLinearConfig writes `mlp_layer_types` but no first_k_dense_replace: read, not dropped."""
+    from transformers import KimiLinearConfig
+
+    native = KimiLinearConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        mlp_layer_types=["dense", "dense", "sparse", "sparse"],
+        linear_attn_config={**LAC, "kda_layers": [1, 2, 4], "full_attn_layers": [3]},
+    )
+    raw = native.to_dict()
+    raw.pop("model_type")
+    assert "first_k_dense_replace" not in raw
+    config = KimiK3Config.from_dict(raw)
+    assert config.mlp_layer_types == ["dense", "dense", "sparse", "sparse"]
+    assert config.first_k_dense_replace == 2
+
+
+def test_every_field_transformers_writes_is_read_or_refused(caplog):
+    """No field of transformers' KimiLinearConfig falls through to the 'no effect' warning."""
+    from transformers import KimiLinearConfig
+
+    raw = KimiLinearConfig(num_hidden_layers=4).to_dict()
+    raw.pop("model_type")
+    with caplog.at_level("WARNING"):
+        KimiK3Config.from_dict(raw)
+    assert "have no effect" not in caplog.text
+    with caplog.at_level("WARNING"):
+        KimiK3Config(**tiny_kwargs(mla_use_nope_typo=False))
+    assert "['mla_use_nope_typo'] are not Kimi-K3 or Kimi-Linear fields" in caplog.text
+
+
+def test_a_config_that_is_not_an_object_is_a_named_error():
+    with pytest.raises(ConfigError, match=r"built from a JSON object of fields, got a list"):
+        KimiK3Config.from_dict([1, 2])
