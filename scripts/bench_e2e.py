@@ -44,7 +44,6 @@ from bench_common import JsonlWriter, copy_tbps, run_metadata  # noqa: E402
 from kimi_helix import KimiK3ForCausalLM  # noqa: E402
 from kimi_helix.engine import LLM, SamplingParams  # noqa: E402
 from kimi_helix.kernels.launch import cdiv  # noqa: E402
-from kimi_helix.modeling.checkpoint import _materialize  # noqa: E402
 from kimi_helix.modeling.moe import RoutedExperts, TopkRouter  # noqa: E402
 from kimi_helix.presets import PRESETS, get_preset  # noqa: E402
 
@@ -74,7 +73,16 @@ def random_model(config, dtype: torch.dtype, device: torch.device) -> KimiK3ForC
     """The model built on the meta device, then given storage on `device` and the model's own random init."""
     with torch.device("meta"):
         model = KimiK3ForCausalLM(config)
-    _materialize(model, dtype, device, KimiK3ForCausalLM._keep_in_fp32_modules_strict)
+    keep_fp32 = KimiK3ForCausalLM._keep_in_fp32_modules_strict  # the dtypes a checkpoint load gives them
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            want = torch.float32 if any(k in full for k in keep_fp32) else dtype
+            module._parameters[name] = torch.nn.Parameter(
+                torch.empty(param.shape, dtype=want, device=device), requires_grad=False
+            )
     model.apply(model._init_weights)
     return model.eval()
 
