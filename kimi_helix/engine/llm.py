@@ -18,6 +18,7 @@ from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
 from ..tokenizer import load_tokenizer
 from .cache import PagedCache, PageLedger
+from .cuda_graph import StepGraphs
 from .runner import ModelRunner
 from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
 from .scheduler import Request, Scheduler
@@ -101,6 +102,8 @@ class LLM:
 
     A bad argument raises `ValueError` naming it and what is allowed. `generate` calls on one `LLM` from several
     threads run one after another.
+        enforce_eager: run every step eagerly; by default on CUDA uniform decode and verify steps replay CUDA
+            graphs (`engine.cuda_graph`), which reserve one extra state slot and cache page for padding rows.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class LLM:
         speculative_config: dict | None = None,
         proposer=None,
         device_map: str | None = None,
+        enforce_eager: bool = False,
     ):
         backends = BackendChoice.from_env(attention=attention_backend, kernels=kernel_backend)
         if model is None:
@@ -204,8 +208,10 @@ class LLM:
         self.max_model_len = max_model_len or min(config.model_max_length, 8192)
         if num_pages is None:
             num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
+        # CUDA graphs (one process only for now) keep one extra state slot and page for their padding rows.
+        use_graphs = device.type == "cuda" and not enforce_eager and self.comm is None
         if self.comm is None:
-            ledger = PageLedger(num_pages, page_size, max_num_seqs)
+            ledger = PageLedger(num_pages + use_graphs, page_size, max_num_seqs + use_graphs)
             self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
         else:
             from ..parallel.helix import helix_cache
@@ -231,6 +237,11 @@ class LLM:
             max_pages_per_seq=cdiv(self.max_model_len, page_size),
             attention_backend=backends.attention,
         )
+        if use_graphs:
+            # Speculative verify steps record per-token KDA states for rollback on the host side, which a replayed
+            # graph would skip: under speculation only plain decode steps are captured.
+            drafts = 0 if spec is not None else min(8, page_size - 1)
+            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=drafts)
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
         self.speculative = None

@@ -82,9 +82,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.attention_backend = attention_backend
         self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
+        # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
+        self.graphs = None
 
     def run(self, step: ScheduledStep) -> RunnerOutput:
         """Prepare the inputs, run the forward pass, return the logits at the requested rows; commit lengths."""
+        if self.graphs is not None:
+            out = self.graphs.run(step)
+            if out is not None:
+                return out
         inputs, rows = self.prepare(step)
         with torch.no_grad():
             logits = self.forward(inputs)

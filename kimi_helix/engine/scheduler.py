@@ -127,7 +127,8 @@ class Scheduler:
             budget -= k
             step.requests.append(r)
             step.phases.append(Phase.VERIFY if k > 0 else Phase.DECODE)
-            step.token_ids.append([r.token_ids[r.num_computed], *r.draft_token_ids[:k]])
+            # from output_ids: `token_ids` would copy the whole prompt for every decode of every step
+            step.token_ids.append([r.output_ids[r.num_computed - len(r.prompt_ids)], *r.draft_token_ids[:k]])
         for r in prefilling:
             n = 1 + min(len(r.prompt_ids) - r.num_computed - 1, budget)
             budget -= n - 1

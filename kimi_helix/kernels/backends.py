@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 PHASES = ("prefill", "decode", "verify")
 # The ops of the switch; the same names are the dispatching functions (`kernels.kda.chunk_kda`, ...).
 OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "fused_experts")
+OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul")  # the fused ops of the decode step
 ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
 KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
@@ -166,11 +167,15 @@ REFERENCE_PREFILL_CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS, kv_bounds=False)
 def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     """Per backend, the ops it implements (`mla_prefill`, `mla_decode`, `mla_verify` and `OPS`) and the
     capabilities their kernel modules declare. The Triton modules are imported here, on first use."""
+    from .activation import triton as activation_triton
     from .conv import triton as conv_triton
     from .kda import chunk, fused_recurrent
     from .mla import decode, prefill, sdpa
     from .moe import triton as moe_triton
+    from .norm import add_rms_norm_triton
     from .norm import triton as norm_triton
+    from .rotary import triton as rotary_triton
+    from .router import triton as router_triton
 
     triton_ops = {
         "mla_prefill": prefill.CAPS,
@@ -182,6 +187,10 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "causal_conv1d_update": conv_triton.CAPS,
         "gated_rms_norm": norm_triton.CAPS,
         "fused_experts": moe_triton.CAPS,
+        "add_rms_norm": add_rms_norm_triton.CAPS,
+        "rotary": rotary_triton.CAPS,
+        "moe_router": router_triton.CAPS,
+        "silu_mul": activation_triton.CAPS,
     }
     torch_ops = {"mla_prefill": REFERENCE_PREFILL_CAPS, "mla_decode": REFERENCE_DECODE_CAPS}
     torch_ops |= {"mla_verify": REFERENCE_DECODE_CAPS} | {op: REFERENCE_OP_CAPS for op in OPS}

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..kernels.backends import BackendChoice
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
-from ..kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from ..kernels.kda import chunk_kda, fused_recurrent_kda
 from .batch import ForwardBatch, Phase, PhaseRun
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
@@ -65,7 +65,8 @@ class KimiDeltaAttention(nn.Module):
         t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
         conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(t, h, k), self.A_log, self.dt_bias, self.gate_lower_bound)
+        # the gate's pre-activation: the delta-rule kernels apply `kda_gate` themselves (no separate gate kernels)
+        g = self.f_b_proj(self.f_a_proj(x)).view(t, h, k)
         beta = torch.sigmoid(self.b_proj(x).float())
         outs = [
             self._mix(run, qkv[run.tokens], g[run.tokens], beta[run.tokens], conv_state, state, slots[run.seqs], cache)
@@ -107,6 +108,9 @@ class KimiDeltaAttention(nn.Module):
             use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu,
             state_indices=slots,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            lower_bound=self.gate_lower_bound,
             backend=self.backends.kernels,
             **({"return_intermediate_states": True} if record else {}),
         )

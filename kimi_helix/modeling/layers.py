@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.activation import silu_mul
 from ..kernels.backends import BackendChoice
 from ..kernels.norm import gated_rms_norm
+from ..kernels.norm.add_rms_norm import add_rms_norm
+from ..kernels.rotary import rotary
 
 
 class RMSNorm(nn.Module):
@@ -17,12 +19,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """x [..., D] -> [..., D] (`kernels.norm.add_rms_norm`: one Triton kernel on the GPU)."""
+        return add_rms_norm(x, None, self.weight, self.eps, backend=self.backends.kernels)[0]
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x, residual [..., D]: a pre-norm block's residual add and the
+        next sublayer's norm in one kernel."""
+        return add_rms_norm(x, residual, self.weight, self.eps, backend=self.backends.kernels)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -49,24 +55,21 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), backend=self.backends.kernels))
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, backend: str | None = None) -> torch.Tensor:
     """Rotate the last dim of `x` by position (rotate-half / GPT-NeoX layout), computed in fp32.
 
     Args:
         x: [N, ..., D] with D even; N tokens.
         positions: [N] absolute positions.
+        backend: the kernel backend to force (None: automatic).
+
+    Returns:
+        [N, ..., D] in x.dtype (`kernels.rotary`: one Triton kernel on the GPU).
     """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
-    cos = freqs.cos().repeat(1, 2).view(x.shape[0], *([1] * (x.dim() - 2)), d)
-    sin = freqs.sin().repeat(1, 2).view(x.shape[0], *([1] * (x.dim() - 2)), d)
-    xf = x.float()
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return rotary(x, positions, theta, backend=backend)

@@ -14,10 +14,13 @@ The softmax scale is `(qk_nope_head_dim + qk_rope_head_dim) ** -0.5` in both for
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.backends import BackendChoice
 from .batch import ForwardBatch
 from .config import KimiK3Config
 from .layers import RMSNorm, apply_rotary
@@ -82,6 +85,7 @@ class MLAttention(nn.Module):
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.nope = config.qk_nope_head_dim
@@ -113,8 +117,9 @@ class MLAttention(nn.Module):
         q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         if self.use_rope:
-            q = torch.cat([q[..., : self.nope], apply_rotary(q[..., self.nope :], positions, self.rope_theta)], -1)
-            k_pe = apply_rotary(k_pe, positions, self.rope_theta)
+            rotate = functools.partial(apply_rotary, theta=self.rope_theta, backend=self.backends.kernels)
+            q = torch.cat([q[..., : self.nope], rotate(q[..., self.nope :], positions)], -1)
+            k_pe = rotate(k_pe, positions)
         return q, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:

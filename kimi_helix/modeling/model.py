@@ -50,8 +50,10 @@ class KimiK3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d]."""
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + self.ffn(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), batch, cache)
+        # the residual add and the MLP's norm in one kernel: h = norm(x + attn), x = x + attn
+        h, x = self.post_attention_layernorm.forward_add(attn, x)
+        return x + self.ffn(h)
 
 
 class KimiK3PreTrainedModel(PreTrainedModel):

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..kernels.backends import BackendChoice
-from ..kernels.moe import fused_experts, moe_router_ref
+from ..kernels.moe import fused_experts
+from ..kernels.router import moe_router
 from .config import KimiK3Config
 from .layers import SwiGLU
 
@@ -32,10 +33,11 @@ class TopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False
         )
+        self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, d] -> (weights [T, k] fp32, expert ids [T, k] int64)."""
-        return moe_router_ref(
+        """x [T, d] -> (weights [T, k] fp32, expert ids [T, k] int64) (`kernels.router`: fused on the GPU)."""
+        return moe_router(
             x,
             self.weight,
             self.e_score_correction_bias,
@@ -45,6 +47,7 @@ class TopkRouter(nn.Module):
             self.renormalize,
             self.scaling,
             self.activation,
+            backend=self.backends.kernels,
         )
 
 

@@ -1,0 +1,99 @@
+"""Triton add + RMSNorm: one program per row reads x (and the residual), writes the sum and the normalised row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kimi_helix.kernels.backends import FLOATS, OpCaps
+from kimi_helix.kernels.common import check_triton_device
+from kimi_helix.kernels.device import triton_devices
+from kimi_helix.kernels.launch import next_pow2
+
+__all__ = ["CAPS", "add_rms_norm_triton"]
+
+# What the kernel serves, read by the backend switch.
+CAPS = OpCaps(triton_devices(), FLOATS)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def add_rms_norm_fwd_kernel(
+    x, residual, weight, y, h, stride_x, stride_r, D, eps, HAS_RESIDUAL: tl.constexpr, BD: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    mask = o_d < D
+    b_h = tl.load(x + row * stride_x + o_d, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # rounded to x's dtype before the norm, as the torch add it replaces
+        b_h = (b_h.to(tl.float32) + tl.load(residual + row * stride_r + o_d, mask=mask, other=0.0).to(tl.float32)).to(
+            b_h.dtype
+        )
+        tl.store(h + row * D + o_d, b_h, mask=mask)
+    b_f = b_h.to(tl.float32)
+    # padded lanes load 0, so the sum is over the D real channels only
+    b_r = 1.0 / tl.sqrt(tl.sum(b_f * b_f) / D + eps)
+    b_n = (b_f * b_r).to(b_h.dtype).to(tl.float32)
+    b_w = tl.load(weight + o_d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * D + o_d, (b_w * b_n).to(y.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """[..., D] -> [rows, D] with unit stride along D (a view when the layout allows)."""
+    t = t.reshape(-1, D)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of :func:`kimi_helix.kernels.norm.add_rms_norm.add_rms_norm_ref` (same arguments and results).
+
+    Args:
+        x: [..., D] fp32/fp16/bf16; rows may be strided (a slice of a wider projection).
+        residual: [..., D] in x.dtype, or None.
+        weight: [D] any float dtype.
+        eps: added to the mean square inside the rsqrt.
+
+    Returns:
+        (y [..., D] contiguous in the promoted dtype of weight and x, h [..., D]: x + residual, contiguous; x itself
+        when residual is None).
+    """
+    if x.dim() < 1 or x.shape[-1] < 1 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be a [..., D] fp32/fp16/bf16 tensor, got {x.dtype} {list(x.shape)}")
+    D = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must have x's shape {list(x.shape)} and dtype {x.dtype}, got {list(residual.shape)} "
+            f"{residual.dtype}"
+        )
+    if weight.shape != (D,) or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float tensor of shape [D]=[{D}], got {weight.dtype} {list(weight.shape)}")
+    for name, t in (("residual", residual), ("weight", weight)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    check_triton_device("x", x)
+    x2 = _rows(x, D)
+    r2 = _rows(residual, D) if residual is not None else x2
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x
+    if x2.shape[0] > 0:
+        bd = next_pow2(D)
+        add_rms_norm_fwd_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            weight.contiguous(),
+            y,
+            h,
+            x2.stride(0),
+            r2.stride(0),
+            D,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BD=bd,
+            num_warps=min(max(bd // 256, 1), 8),
+        )
+    return y, h

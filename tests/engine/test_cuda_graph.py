@@ -1,0 +1,182 @@
+"""CUDA-graph steps (`engine.cuda_graph`) give the tokens and logits of eager steps, for decode and verify; padded
+rows leave every live sequence's state alone; the kernels per replayed decode step are recorded.
+
+On the CPU the same checks run with `StepGraphs(use_graphs=False)`: every step padded to its bucket and run from the
+graphs' static buffers, which is exactly what a graph replays, without the capture. On the GPU (`-m gpu`) with real
+graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_helix import KimiK3Config, KimiK3ForCausalLM
+from kimi_helix.engine import LLM, SamplingParams
+from kimi_helix.engine.cuda_graph import SCRATCH_SEQ_ID, GraphKey, StepGraphs, default_buckets
+from kimi_helix.engine.scheduler import ScheduledStep
+from kimi_helix.modeling.batch import Phase
+
+from ..modeling.conftest import randomize_router_bias, tiny_kwargs
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+DEVICES = pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["static-buffers-cpu", "graphs-gpu"]
+)
+
+
+def test_default_buckets_cover_every_batch_size():
+    for max_seqs in (1, 3, 64, 100, 256):
+        buckets = default_buckets(max_seqs)
+        assert buckets == tuple(sorted(set(buckets))) and buckets[-1] == max_seqs and buckets[0] == 1
+
+
+def _model(device: str) -> KimiK3ForCausalLM:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    # Triton tiles need power-of-two widths (latent 64 + 16): on the GPU every op of the step has a capture-safe kernel.
+    kwargs = tiny_kwargs(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+    model = KimiK3ForCausalLM(KimiK3Config(**kwargs)).eval()
+    randomize_router_bias(model)
+    return model.to(device)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(1, 30, (n,), generator=g).tolist()
+    return [torch.randint(3, 128, (m,), generator=g).tolist() for m in lens]
+
+
+def _llm(model, graphs: bool, kv_cache_dtype: str = "auto") -> LLM:
+    """An engine with graphs (real ones on CUDA, static-buffer steps on the CPU) or without."""
+    on_cuda = next(model.parameters()).is_cuda
+    llm = LLM(
+        model,
+        max_num_seqs=8,
+        max_model_len=64,
+        enforce_eager=not (graphs and on_cuda),
+        page_size=16,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    if graphs and not on_cuda:
+        llm.runner.graphs = StepGraphs(llm.runner, use_graphs=False)
+    return llm
+
+
+@DEVICES
+@pytest.mark.parametrize(
+    "num_prompts,kv_cache_dtype",
+    [(1, "auto"), (3, "auto"), (8, "auto"), (3, "fp8_e4m3")],
+    ids=["b1", "b3", "b8", "b3-fp8"],
+)
+def test_graph_decode_gives_the_eager_tokens(device, num_prompts, kv_cache_dtype):
+    """Greedy generation with graphs (batch sizes padded to a bucket, and one that fills it) equals eager."""
+    model = _model(device)
+    prompts = _prompts(num_prompts)
+    eager = [o.token_ids for o in _llm(model, False, kv_cache_dtype).generate(prompts, GREEDY)]
+    llm = _llm(model, True, kv_cache_dtype)
+    graphed = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert graphed == eager
+    assert any(k.phase is Phase.DECODE for k in llm.runner.graphs.graphs), llm.runner.graphs.uncapturable
+
+
+def _prefilled(llm: LLM, prompts: list[list[int]]):
+    """Requests whose prompts are prefilled and first tokens sampled (eager steps): ready to decode or verify."""
+    requests = [llm._make_request(p, GREEDY) for p in prompts]
+    for r in requests:
+        llm.scheduler.add(r)
+    while any(r.prefilling or not r.output_ids for r in requests):
+        llm.step()
+    return requests
+
+
+@DEVICES
+@pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"k{k}")
+def test_graph_verify_gives_the_eager_logits(device, k):
+    """A verify step of 1 + k tokens for 3 sequences (padded to bucket 4): graph logits equal eager ones."""
+    model = _model(device)
+    prompts = _prompts(3)
+    outs = []
+    for graphs in (False, True):
+        llm = _llm(model, graphs)
+        for i, r in enumerate(_prefilled(llm, prompts)):
+            r.draft_token_ids = [(7 * i + j) % 100 + 3 for j in range(k)]
+        step = llm.scheduler.schedule()
+        assert step.phases == [Phase.VERIFY] * 3
+        out = llm.runner.run(step)
+        outs.append((out.logits.clone(), out.rows))
+        if graphs:
+            assert GraphKey(Phase.VERIFY, 4, 1 + k) in llm.runner.graphs.graphs, llm.runner.graphs.uncapturable
+    (eager_logits, eager_rows), (graph_logits, graph_rows) = outs
+    assert eager_rows == graph_rows and graph_logits.shape == (3 * (1 + k), model.config.vocab_size)
+    torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+
+
+@DEVICES
+def test_padded_rows_touch_only_the_scratch_sequence(device):
+    """3 live sequences run as bucket 4: no state slot or page but theirs and the scratch sequence's changes, even
+    when the buffers' padding rows still hold a previous, larger step's live addresses."""
+    model = _model(device)
+    llm = _llm(model, graphs=True)
+    requests = _prefilled(llm, _prompts(4))
+    llm.step()  # a decode step of all 4 fills every row of bucket 4 with live addresses
+    llm.scheduler.finish(requests[3], "stop")
+    ledger = llm.cache.ledger
+    kept = [r.request_id for r in requests[:3]] + [SCRATCH_SEQ_ID]
+    slots = {ledger.seqs[s].slot for s in kept}
+    pages = {p for s in kept for p in ledger.seqs[s].pages}
+    for t in _pools(llm).values():
+        t.normal_()  # every slot and page holds a value padding could overwrite
+    before = {name: t.clone() for name, t in _pools(llm).items()}
+    step = llm.scheduler.schedule()
+    assert len(step.requests) == 3 and llm.runner.graphs.key_for(step) == GraphKey(Phase.DECODE, 4, 1)
+    llm.runner.run(step)
+    for name, t in _pools(llm).items():
+        owned = pages if name.startswith("pages") else slots
+        others = [i for i in range(t.shape[0]) if i not in owned]
+        assert torch.equal(t[others], before[name][others]), f"{name}: a padded row wrote outside the scratch"
+
+
+def _pools(llm: LLM) -> dict[str, torch.Tensor]:
+    pools = {f"pages:{i}": t for i, t in llm.cache.pages.items()}
+    pools.update({f"conv:{i}": t for i, t in llm.cache.conv.items()})
+    pools.update({f"recurrent:{i}": t for i, t in llm.cache.recurrent.items()})
+    return pools
+
+
+def test_mixed_unequal_and_prefill_steps_have_no_graph():
+    model = _model("cpu")
+    llm = _llm(model, graphs=True)
+    a, b = _prefilled(llm, _prompts(2))
+    key_for = llm.runner.graphs.key_for
+    decode, verify, prefill = Phase.DECODE, Phase.VERIFY, Phase.PREFILL
+    assert key_for(ScheduledStep([a, b], [decode, decode], [[1], [2]])) == GraphKey(decode, 2, 1)
+    assert key_for(ScheduledStep([a, b], [verify, verify], [[1, 2], [3, 4]])) == GraphKey(verify, 2, 2)
+    assert key_for(ScheduledStep([a, b], [verify, decode], [[1, 2], [3]])) is None  # mixed phases
+    assert key_for(ScheduledStep([a, b], [verify, verify], [[1, 2], [3, 4, 5]])) is None  # unequal groups
+    assert key_for(ScheduledStep([a, b], [verify, verify], [[1] * 10, [2] * 10])) is None  # k = 9 > 8
+    assert key_for(ScheduledStep([a], [prefill], [[1, 2, 3]])) is None
+    assert key_for(ScheduledStep([a] * 9, [decode] * 9, [[1]] * 9)) is None  # beyond the largest bucket
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_kernels_per_replayed_decode_step_are_recorded(batch, record_property):
+    """Counts the CUDA kernels of one replayed decode step (recorded, not asserted against a budget)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model("cuda")
+    llm = _llm(model, graphs=True)
+    _prefilled(llm, _prompts(batch))
+    llm.step()  # captures the decode graph of this bucket
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.step()
+        torch.cuda.synchronize()
+    names = [e.name.lower() for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = sum("memcpy" not in n and "memset" not in n for n in names)
+    layers = model.config.num_hidden_layers
+    print(f"decode step, batch {batch}: {kernels} kernels, {kernels / layers:.1f} a layer")
+    record_property("kernels_per_step", kernels)
+    assert kernels > 0, "the profiler saw no kernel of the replayed graph"
