@@ -212,7 +212,7 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
         llm.runner.graphs = graphs
     touched = experts_touched(llm)
     floor_bytes = weight_bytes(llm.model, batch, touched) + cache_bytes(llm, batch, context)
-    floor_ms = floor_bytes / (bandwidth * 1e9)
+    floor_ms = 1e3 * floor_bytes / (bandwidth * 1e9)  # bandwidth in GB/s
     graphs = llm.runner.graphs
     row = dict(
         case="decode",

@@ -130,10 +130,21 @@ def test_generate_from_a_checkpoint_is_deterministic(capsys, tiny_ckpt):
     assert sampled[0] != sampled[2]
 
 
-def test_generate_without_a_model_uses_a_random_tiny_one(capsys):
-    code, out, err = run(capsys, "generate", "--prompt", "Hello", "--max-new-tokens", "4")
+def test_generate_without_a_model_uses_the_shipped_demo_model(capsys, monkeypatch):
+    from kimi_helix.assets import demo_model_dir
+
+    loaded = []
+    real = KimiK3ForCausalLM.from_pretrained.__func__
+
+    def spy(cls, path, *args, **kwargs):
+        loaded.append(path)
+        return real(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(KimiK3ForCausalLM, "from_pretrained", classmethod(spy))
+    code, out, err = run(capsys, "generate", "--prompt", "def f(x):", "--max-new-tokens", "4")
     assert code == 0 and out.strip()
-    assert "random" in err and "tiny" in err
+    assert "demo model" in err
+    assert [str(p) for p in loaded] == [str(demo_model_dir())]
 
 
 def fake_generate(new_tokens: list[int]):

@@ -73,4 +73,4 @@ def test_greedy_with_verify_groups_on_gpu_equals_plain_greedy(kwargs):
     llm = LLM(model, page_size=16, max_num_batched_tokens=48)
     seen = with_drafts(llm, dict(enumerate(plain)), k=3)
     assert [o.token_ids for o in llm.generate(ps, greedy)] == plain
-    assert {Phase.DECODE, Phase.VERIFY, Phase.PREFILL} in seen
+    assert any({Phase.VERIFY, Phase.PREFILL} <= phases for phases in seen)  # verify groups beside prefill chunks
