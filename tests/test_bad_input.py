@@ -52,6 +52,14 @@ def config_field(**fields):
     return edit
 
 
+def config_without(*names):
+    def edit(ckpt: Path):
+        raw = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in names}))
+
+    return edit
+
+
 def config_text(text: str):
     return lambda ckpt: (ckpt / "config.json").write_text(text)
 
@@ -103,6 +111,8 @@ def nothing(ckpt):
 LOAD_ROWS = [
     # config.json values (item 4)
     ("bool-as-string", config_field(mla_use_nope="false"), {}, ConfigError, "mla_use_nope must be true or false"),
+    ("no-hidden-size", config_without("hidden_size"), {}, ConfigError, "lacks hidden_size"),
+    ("no-shapes", config_without("num_hidden_layers", "vocab_size"), {}, ConfigError, "lacks vocab_size, num_hidden"),
     ("tie-as-string", config_field(tie_word_embeddings="false"), {}, ConfigError, "tie_word_embeddings must be"),
     ("rope-theta-zero", config_field(rope_theta=0), {}, ConfigError, "rope_theta must be a number > 0"),
     ("rope-theta-str", config_field(rope_theta="1e4"), {}, ConfigError, "rope_theta must be a number > 0, got '1e4'"),

@@ -372,3 +372,12 @@ def test_python_m_kimi_helix_help_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("command", [["info"], ["plan", "--gpu-mem", "80"]])
+def test_info_and_plan_refuse_a_config_without_its_shapes(capsys, tmp_path, command):
+    """No 48B defaults for a config.json that does not state its shapes: the missing fields are named."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_linear", "vocab_size": 320}))
+    code, out, err = run(capsys, command[0], "--model", str(tmp_path), *command[1:])
+    assert code == 2 and not out
+    assert "lacks hidden_size, intermediate_size, num_hidden_layers, num_attention_heads" in err

@@ -212,6 +212,10 @@ def _shard_files(path: Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {str(path)!r}{hint}")
 
 
+# Shapes a checkpoint's config.json must state (transformers writes every model-specific field).
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def read_config(path: Path) -> KimiK3Config:
     """The validated `KimiK3Config` of `path/config.json` (`kimi_k3` or Kimi-Linear's `kimi_linear`)."""
     config_file = path / CONFIG_FILE
@@ -225,6 +229,9 @@ def read_config(path: Path) -> KimiK3Config:
         raise CheckpointError(
             f"config.json model_type is {model_type!r}; kimi_helix loads {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    missing = [name for name in REQUIRED_CONFIG_FIELDS if name not in raw]
+    if missing:  # a default would silently describe another model (the 48B one)
+        raise ConfigError(f"{str(config_file)!r} lacks {', '.join(missing)}: a checkpoint's config names its shapes")
     try:
         return KimiK3Config.from_dict(raw)
     except ConfigError as err:
