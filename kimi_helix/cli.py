@@ -105,6 +105,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds sampling (and a preset's random weights)")
     p.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's dtype; float32 for a preset")
     p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun, tp * cp processes)")
+    p.add_argument("--cp", type=int, default=1, help="Helix context-parallel size: MLA cache pages split cp ways")
+    p.add_argument("--page-size", type=int, default=64, help="cache page size of a tp * cp > 1 run (Helix's unit)")
     p.set_defaults(run=_cmd_generate)
 
     p = command("info", help="parameter counts, layer layout, cache and state sizes; loads no weights")
@@ -195,6 +198,10 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     _check_seed(args.seed)
     _check_backend_variables()
+    if args.tp < 1 or args.cp < 1 or args.page_size < 1:
+        raise UsageError(f"--tp, --cp and --page-size must be >= 1, got {args.tp}, {args.cp}, {args.page_size}")
+    if args.tp * args.cp > 1:
+        return _generate_parallel(args)
     import torch
 
     from kimi_helix.kernels.backends import BackendUnavailableError
@@ -415,6 +422,35 @@ def _random_model(config: KimiK3Config, seed: int, dtype: torch.dtype, device: t
     torch.manual_seed(seed)
     with device:  # initialise in place: a model that fits on the GPU need not fit in host memory too
         return KimiK3ForCausalLM._from_config(config, dtype=dtype).eval()
+
+
+def _generate_parallel(args: argparse.Namespace) -> None:
+    """`generate --tp T --cp C`: one process per rank of a torchrun launch; rank 0 prints the continuation."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != args.tp * args.cp:
+        raise UsageError(
+            f"--tp {args.tp} --cp {args.cp} runs {args.tp * args.cp} processes: launch it with "
+            f"torchrun --nproc-per-node {args.tp * args.cp} -m kimi_helix generate ..."
+        )
+    if args.preset is not None or args.top_p < 1:
+        raise UsageError("--tp/--cp take a checkpoint (--model DIR, or the demo model without it) and no --top-p")
+    from kimi_helix.assets import demo_model_dir
+    from kimi_helix.parallel.launch import generate_parallel
+
+    args.model = args.model or demo_model_dir()
+
+    text, _ = generate_parallel(
+        args.model,
+        args.prompt,
+        tp=args.tp,
+        cp=args.cp,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        dtype=_dtype(args.dtype) if args.dtype else None,
+        page_size=args.page_size,
+    )
+    if text is not None:
+        print(text.translate(_ESCAPE_CONTROLS))
 
 
 def _terminal_streamer(tokenizer):

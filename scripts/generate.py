@@ -44,28 +44,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from kimi_helix.engine.llm import LLM
-    from kimi_helix.engine.sampling import SamplingParams
-    from kimi_helix.parallel.distributed import run_guarded
+    from kimi_helix.parallel.launch import generate_parallel
 
-    llm = LLM(  # joins the process group of the torchrun launch when tp * cp > 1
+    text, metrics = generate_parallel(
         args.model,
+        args.prompt,
+        tp=args.tp,
+        cp=args.cp,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         page_size=args.page_size,
-        max_model_len=len(args.prompt.encode()) + args.max_new_tokens + 8,
-        max_num_seqs=1,
-        tensor_parallel_size=args.tp,
-        context_parallel_size=args.cp,
-        dist_timeout_s=args.timeout,
+        timeout_s=args.timeout,
     )
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    ctx = llm.comm.ctx if llm.comm is not None else None
-    run = lambda: llm.generate([args.prompt], params, use_tqdm=False)  # noqa: E731
-    outputs = run_guarded(run, ctx) if ctx is not None else run()
-    if outputs:  # rank 0
-        print(outputs[0].text.translate(_ESCAPE_CONTROLS))
+    if text is not None:  # rank 0
+        print(text.translate(_ESCAPE_CONTROLS))
         if args.stats:
-            for m in llm.metrics:
+            for m in metrics:
                 print(f"step {m.step}: {m.scheduled_tokens} tokens, {m.bytes_sent} bytes sent", file=sys.stderr)
     return 0
 

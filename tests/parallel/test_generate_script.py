@@ -33,3 +33,8 @@ def test_torchrun_helix_matches_one_process(checkpoint):
          "--max-new-tokens", n]
     )  # fmt: skip
     assert got == want and want.strip()
+    cli = _run(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kimi_helix", "generate",
+         "--model", str(checkpoint), "--cp", "2", "--page-size", "4", "--prompt", prompt, "--max-new-tokens", n]
+    )  # fmt: skip
+    assert cli == want  # the same flags on `kimi-helix generate` under torchrun
