@@ -25,6 +25,7 @@ import torch
 from kimi_helix.kernels.launch import cdiv
 from kimi_helix.modeling.accounting import count_parameters, mla_cache_bytes_per_token, n_kda_layers
 from kimi_helix.modeling.config import KimiK3Config
+from kimi_helix.parallel.ownership import Ownership
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # fp8 pages keep one fp32 scale per token per MLA layer beside the e4m3 latent (as `engine/cache.py` stores them).
@@ -210,8 +211,8 @@ def plan_memory(
 
     token_bytes = cache_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
     page_bytes = page_size * token_bytes
-    # Pages 0, cp, 2cp, ... of a sequence land on rank 0, so rank 0 holds ceil(pages / cp) of them.
-    seq_pages_rank0 = cdiv(cdiv(max_model_len, page_size), cp)
+    # Helix's ownership rule places pages 0, cp, 2cp, ... of a sequence on cp rank 0, the fullest rank.
+    seq_pages_rank0 = Ownership(page_size, cp, 0).local_pages(max_model_len)
     seq_cache = seq_pages_rank0 * page_bytes
     state = kda_state_bytes_per_rank(config, world, dtype_bytes)
 
