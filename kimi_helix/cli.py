@@ -108,6 +108,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun, tp * cp processes)")
     p.add_argument("--cp", type=int, default=1, help="Helix context-parallel size: MLA cache pages split cp ways")
     p.add_argument("--page-size", type=int, default=64, help="cache page size of a tp * cp > 1 run (Helix's unit)")
+    p.add_argument(
+        "--speculative-method", choices=("dspark", "ngram"), help="speculative decoding (docs/speculative.md)"
+    )
+    p.add_argument("--speculative-model", type=Path, metavar="DIR", help="the DSpark drafter's folder")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts verified per step (k)")
     p.set_defaults(run=_cmd_generate)
 
     p = command("info", help="parameter counts, layer layout, cache and state sizes; loads no weights")
@@ -202,6 +207,8 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         raise UsageError(f"--tp, --cp and --page-size must be >= 1, got {args.tp}, {args.cp}, {args.page_size}")
     if args.tp * args.cp > 1:
         return _generate_parallel(args)
+    if args.speculative_method is not None:
+        return _generate_speculative(args)
     import torch
 
     from kimi_helix.kernels.backends import BackendUnavailableError
@@ -451,6 +458,29 @@ def _generate_parallel(args: argparse.Namespace) -> None:
     )
     if text is not None:
         print(text.translate(_ESCAPE_CONTROLS))
+
+
+def _generate_speculative(args: argparse.Namespace) -> None:
+    """`generate --speculative-method M`: the engine with speculative decoding; the validator runs before any
+    weights load, and an unsupported configuration prints every reason on one line."""
+    if args.preset is not None or args.top_p < 1:
+        raise UsageError("--speculative-method takes a checkpoint (--model DIR, or the demo model) and no --top-p")
+    from kimi_helix.assets import demo_model_dir
+    from kimi_helix.engine import LLM, SamplingParams
+    from kimi_helix.speculative.validator import UnsupportedConfigError
+
+    spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative_model is not None:
+        spec["model"] = str(args.speculative_model)
+    model = args.model or demo_model_dir()
+    try:
+        llm = LLM(model, dtype=_dtype(args.dtype) if args.dtype else None, device=args.device,
+                  speculative_config=spec)  # fmt: skip
+    except UnsupportedConfigError as err:
+        raise UsageError(" ".join(str(err).split())) from err
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    print(out.text.translate(_ESCAPE_CONTROLS))
 
 
 def _terminal_streamer(tokenizer):

@@ -381,3 +381,24 @@ def test_info_and_plan_refuse_a_config_without_its_shapes(capsys, tmp_path, comm
     code, out, err = run(capsys, command[0], "--model", str(tmp_path), *command[1:])
     assert code == 2 and not out
     assert "lacks hidden_size, intermediate_size, num_hidden_layers, num_attention_heads" in err
+
+
+def test_speculative_generate_equals_plain_greedy(capsys, tiny_ckpt):
+    plain = run(capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "abcabcabc", "--max-new-tokens", "12")
+    spec = run(
+        capsys, "generate", "--model", str(tiny_ckpt), "--prompt", "abcabcabc", "--max-new-tokens", "12",
+        "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+    )  # fmt: skip
+    assert plain[0] == spec[0] == 0 and plain[1] == spec[1] and plain[1].strip()
+
+
+def test_unsupported_speculative_config_is_one_line_before_any_weights(capsys, tmp_path):
+    """The validator runs on config.json alone: a folder without weights still gets the reason, not a load error."""
+    assert run(capsys, "init", "--preset", "tiny", "--out", str(tmp_path / "full"))[0] == 0
+    (tmp_path / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    code, out, err = run(
+        capsys, "generate", "--model", str(tmp_path), "--prompt", "x", "--speculative-method", "ngram",
+        "--num-speculative-tokens", "9",
+    )  # fmt: skip
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert "num_speculative_tokens" in err and "1..8" in err
