@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import gpqa
     from .lm_eval_model import KimiHelixLM  # noqa: F401  (importing it registers the `kimi_helix` model)
 
+    if {"-h", "--help"} & set(argv):
+        print(
+            f"kimi-helix eval: lm-eval's CLI with the kimi_helix model; also {GPQA_FLAG} FILE (GPQA from a CSV/JSONL)\n"
+        )
     setup_logging()
     cli = HarnessCLI()
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # HarnessCLI reads sys.argv
