@@ -30,6 +30,7 @@ from ..engine import LLM, SamplingParams
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_GEN_TOKS = 256
+AUTO_CHUNK = 256
 
 
 @register_model("kimi_helix")
@@ -41,7 +42,7 @@ class KimiHelixLM(TemplateLM):
         dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
         device: "cuda", "cuda:N" or "cpu"; under torchrun data parallel each process takes cuda:LOCAL_RANK.
         batch_size: requests handed to the engine at a time (it batches them continuously up to its own
-            `max_num_seqs`); "auto" hands it all of them at once.
+            `max_num_seqs`); "auto" hands it 256 at a time, which keeps the engine full and the progress bar moving.
         max_length: tokens a prediction may condition on (default: the engine's max_model_len rule, <= 8192).
         max_gen_toks: default generation length when a task gives none.
         speculative_method, num_speculative_tokens, speculative_model: the engine's `speculative_config`.
@@ -72,8 +73,8 @@ class KimiHelixLM(TemplateLM):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
             raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
-        # lm-eval spells it "auto" or "auto:N" too; the engine sizes its own steps, so both mean "everything".
-        self.batch_size = None if str(batch_size).startswith("auto") else int(batch_size)
+        # lm-eval spells it "auto" or "auto:N"; the engine sizes its own steps, so both mean the default chunk.
+        self.batch_size = AUTO_CHUNK if str(batch_size).startswith("auto") else int(batch_size)
         self.max_gen_toks = max_gen_toks
         self._rank, self._world_size = _data_parallel_rank(tp * cp)
         device = _device_for_rank(device, self._world_size)
@@ -188,8 +189,7 @@ class KimiHelixLM(TemplateLM):
         return out
 
     def _chunks(self, items: list) -> list[list]:
-        step = self.batch_size or max(1, len(items))
-        return [items[i : i + step] for i in range(0, len(items), step)]
+        return [items[i : i + self.batch_size] for i in range(0, len(items), self.batch_size)]
 
     def _score_token_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), every continuation token the argmax) per token-id pair.
