@@ -74,7 +74,7 @@ class KimiHelixLM(TemplateLM):
         if max_length is not None and (not isinstance(max_length, int) or max_length < 2):
             raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
         # lm-eval spells it "auto" or "auto:N"; the engine sizes its own steps, so both mean the default chunk.
-        self.batch_size = AUTO_CHUNK if str(batch_size).startswith("auto") else int(batch_size)
+        self.batch_size = AUTO_CHUNK if str(batch_size).startswith("auto") else _positive_int("batch_size", batch_size)
         self.max_gen_toks = max_gen_toks
         self._rank, self._world_size = _data_parallel_rank(tp * cp)
         device = _device_for_rank(device, self._world_size)
@@ -272,6 +272,12 @@ class KimiHelixLM(TemplateLM):
             stop=until,
         )
         return params, until
+
+
+def _positive_int(name: str, value) -> int:
+    if not str(value).isdigit() or int(value) < 1:
+        raise ValueError(f"{name} must be 'auto' or an int >= 1, got {value!r}")
+    return int(value)
 
 
 def _data_parallel_rank(model_parallel: int) -> tuple[int, int]:

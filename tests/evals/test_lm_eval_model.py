@@ -129,7 +129,7 @@ def test_tp_cp_without_engine_support_raise(tiny_checkpoint):
         KimiHelixLM(pretrained=str(tiny_checkpoint), device="cpu", tp=2)
 
 
-@pytest.mark.parametrize(("arg", "value"), [("dtype", "fp64"), ("tp", 0), ("max_length", 1)])
+@pytest.mark.parametrize(("arg", "value"), [("dtype", "fp64"), ("tp", 0), ("max_length", 1), ("batch_size", "big")])
 def test_bad_model_args_name_the_field(tiny_checkpoint, arg, value):
     with pytest.raises(ValueError, match=arg):
         KimiHelixLM(pretrained=str(tiny_checkpoint), device="cpu", **{arg: value})
