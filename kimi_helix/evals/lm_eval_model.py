@@ -16,6 +16,7 @@ With `tp`/`cp` every process of the launch holds a shard of one model and report
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from ..engine import LLM, SamplingParams
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_GEN_TOKS = 256
 AUTO_CHUNK = 256
+
+log = logging.getLogger(__name__)
 
 
 @register_model("kimi_helix")
@@ -271,6 +274,8 @@ class KimiHelixLM(TemplateLM):
             seed=kwargs.pop("seed", None),
             stop=until,
         )
+        if kwargs:
+            log.warning("generate_until ignores gen_kwargs the engine has no setting for: %s", sorted(kwargs))
         return params, until
 
 
