@@ -124,7 +124,8 @@ class KimiHelixLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+        # Documents longer than the tokenizer's model_max_length are expected: rolling windows split them.
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens), verbose=False)
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
