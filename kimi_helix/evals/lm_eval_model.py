@@ -80,6 +80,7 @@ class KimiHelixLM(TemplateLM):
         self.batch_size = AUTO_CHUNK if str(batch_size).startswith("auto") else _positive_int("batch_size", batch_size)
         self.max_gen_toks = max_gen_toks
         self._rank, self._world_size = _data_parallel_rank(tp * cp)
+        self._sharded = tp * cp > 1
         device = _device_for_rank(device, self._world_size)
         self.tokenizer = AutoTokenizer.from_pretrained(pretrained, trust_remote_code=False)
         self.pretrained = str(pretrained)
@@ -212,7 +213,18 @@ class KimiHelixLM(TemplateLM):
             entries = output.prompt_logprobs[-len(cont) :]
             picked = [entry[token] for entry, token in zip(entries, cont)]
             results.append((sum(p.logprob for p in picked), all(p.rank == 1 for p in picked)))
-        return results
+        return self._from_first_shard(results)
+
+    def _from_first_shard(self, results: list) -> list:
+        """With tp/cp the engine returns outputs on global rank 0 only; every shard's process needs them, since
+        each runs lm-eval's whole evaluation."""
+        if not self._sharded:
+            return results
+        import torch.distributed as dist
+
+        box = [results]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-probability of each whole string, over lm-eval's disjoint rolling windows of `max_length`."""
@@ -246,8 +258,8 @@ class KimiHelixLM(TemplateLM):
                 prompts.append(self.tok_encode(context)[-keep:])
                 params.append(sampling)
                 stops.append(until)
-            for req, output, until in zip(chunk, self.llm.generate(prompts, params, use_tqdm=False), stops):
-                text = output.text
+            texts = self._from_first_shard([o.text for o in self.llm.generate(prompts, params, use_tqdm=False)])
+            for req, text, until in zip(chunk, texts, stops):
                 for stop in until:  # the engine stops at the first stop string; cut it off whatever it matched
                     text = text.split(stop)[0]
                 self.cache_hook.add_partial("generate_until", req.args, text)

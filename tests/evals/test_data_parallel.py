@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+from kimi_helix.evals import lm_eval_model  # noqa: E402
 from kimi_helix.evals.__main__ import main  # noqa: E402
 
 from .test_gpqa import synthetic_rows, write_csv  # noqa: E402
@@ -31,14 +32,22 @@ def per_doc(out: Path) -> dict:
     return {s["doc_id"]: (s["doc"]["answer"], [float(r[0][0]) for r in s["resps"]]) for s in rows}
 
 
-def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoint, tmp_path):
-    data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(5))
-    args = ["--model", "kimi_helix", "--model_args", f"pretrained={tiny_checkpoint},dtype=float32,device=cpu"]
-    args += ["--tasks", "gpqa_main_zeroshot", "--gpqa-data", str(data), "--log_samples"]
+def gpqa_args(checkpoint, data, extra_model_args=""):
+    args = [
+        "--model",
+        "kimi_helix",
+        "--model_args",
+        f"pretrained={checkpoint},dtype=float32,device=cpu{extra_model_args}",
+    ]
+    return [*args, "--tasks", "gpqa_main_zeroshot", "--gpqa-data", str(data), "--log_samples"]
+
+
+def torchrun(args, out: Path) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m kimi_helix.evals ARGS --output_path OUT` on the CPU (gloo)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     run = subprocess.run(
-        [*launch, "-m", "kimi_helix.evals", *args, "--output_path", str(tmp_path / "dp")],
+        [*launch, "-m", "kimi_helix.evals", *args, "--output_path", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -46,6 +55,13 @@ def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoin
         cwd=REPO,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoint, tmp_path):
+    data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(5))
+    args = gpqa_args(tiny_checkpoint, data)
+    run = torchrun(args, tmp_path / "dp")
     assert "on rank 1" in run.stderr
     # Rank 0 scores 3 of the 5 documents' 4 choices (rank 1 two, padded to as many requests), not all 20.
     assert "loglikelihood: 100%" in run.stderr and "12/12" in run.stderr and "20/20" not in run.stderr
@@ -55,3 +71,15 @@ def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoin
     for doc_id, (answer, resps) in single.items():
         assert parallel[doc_id][0] == answer
         assert parallel[doc_id][1] == pytest.approx(resps, abs=1e-5)
+
+
+@pytest.mark.skipif(not lm_eval_model._engine_accepts("tensor_parallel_size"), reason="the engine has no tp/cp yet")
+def test_tensor_parallel_run_equals_one_process(tiny_checkpoint, tmp_path):
+    data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(4))
+    torchrun(gpqa_args(tiny_checkpoint, data, ",tp=2"), tmp_path / "tp")
+    assert main([*gpqa_args(tiny_checkpoint, data), "--output_path", str(tmp_path / "one")]) == 0
+    sharded, single = per_doc(tmp_path / "tp"), per_doc(tmp_path / "one")
+    assert sorted(sharded) == sorted(single) == list(range(4))
+    for doc_id, (answer, resps) in single.items():
+        assert sharded[doc_id][0] == answer
+        assert sharded[doc_id][1] == pytest.approx(resps, abs=1e-4)
