@@ -320,8 +320,12 @@ def _data_parallel_rank(model_parallel: int) -> tuple[int, int]:
 
 
 def _device_for_rank(device: str | None, world: int) -> str | None:
-    """Under data parallel on CUDA, each process takes the GPU of its LOCAL_RANK."""
-    if world > 1 and torch.cuda.is_available() and device in (None, "cuda"):
+    """Under data parallel on CUDA each process takes the GPU of its LOCAL_RANK (lm-eval's CLI passes "cuda:0" to
+    every process); without CUDA a cuda device falls back to the CPU with a warning, as lm-eval's HF model does."""
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device=%s is not available; running on the CPU", device)
+        return "cpu"
+    if world > 1 and torch.cuda.is_available() and device in (None, "cuda", "cuda:0"):
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return device
 
