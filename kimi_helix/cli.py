@@ -6,6 +6,7 @@ plan a GPU's memory.
     kimi-helix generate --model ckpt/ --prompt "Hello"
     kimi-helix info --preset kimi-linear-48b-a3b
     kimi-helix plan --preset kimi-linear-48b-a3b --gpu-mem 141GB --tp 2 --cp 2
+    kimi-helix eval --model kimi_helix --model_args pretrained=ckpt/ --tasks kimi_helix_next_line
 
 Bad input (an unknown preset, a non-empty output folder, a folder with no checkpoint) prints one line on stderr and
 exits with status 2.
@@ -41,6 +42,11 @@ class UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default `sys.argv[1:]`); return the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # lm-eval's CLI parses everything after `eval`
+        from kimi_helix.evals.__main__ import main as eval_main
+
+        return eval_main(argv[1:])
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
@@ -148,6 +154,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of --gpu-mem to use")
     p.set_defaults(run=_cmd_plan)
+
+    # Listed for --help only: `main` hands `eval ...` to kimi_helix.evals before parsing.
+    commands.add_parser("eval", help="lm-eval accuracy runs (lm-eval's flags, plus --gpqa-data FILE)", add_help=False)
     return parser
 
 
