@@ -15,7 +15,6 @@ With `tp`/`cp` every process of the launch holds a shard of one model and report
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from pathlib import Path
@@ -338,20 +337,11 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _engine_accepts(name: str) -> bool:
-    return name in inspect.signature(LLM.__init__).parameters
-
-
 def _speculative_kwargs(method: str | None, k: int | None, draft_model: str | None) -> dict:
     if method is None and k is None and draft_model is None:
         return {}
     if method is None:
         raise ValueError("num_speculative_tokens / speculative_model need speculative_method (e.g. ngram, dspark)")
-    if not _engine_accepts("speculative_config"):
-        raise NotImplementedError(
-            f"speculative_method={method}: speculative decoding is not available yet in this engine "
-            "(LLM has no speculative_config); run without speculative_method"
-        )
     config = {"method": method}
     if k is not None:
         config["num_speculative_tokens"] = k
@@ -363,9 +353,4 @@ def _speculative_kwargs(method: str | None, k: int | None, draft_model: str | No
 def _parallel_kwargs(tp: int, cp: int) -> dict:
     if tp == 1 and cp == 1:
         return {}
-    if not (_engine_accepts("tensor_parallel_size") and _engine_accepts("context_parallel_size")):
-        raise NotImplementedError(
-            f"tp={tp}, cp={cp}: tensor/context parallelism is not available yet in this engine "
-            "(LLM has no tensor_parallel_size/context_parallel_size); run with tp=1,cp=1"
-        )
     return {"tensor_parallel_size": tp, "context_parallel_size": cp}

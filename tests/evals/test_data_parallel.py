@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from kimi_helix.evals import lm_eval_model  # noqa: E402
 from kimi_helix.evals.__main__ import main  # noqa: E402
 
 from .test_gpqa import synthetic_rows, write_csv  # noqa: E402
@@ -73,7 +72,6 @@ def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoin
         assert parallel[doc_id][1] == pytest.approx(resps, abs=1e-5)
 
 
-@pytest.mark.skipif(not lm_eval_model._engine_accepts("tensor_parallel_size"), reason="the engine has no tp/cp yet")
 def test_tensor_parallel_run_equals_one_process(tiny_checkpoint, tmp_path):
     data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(4))
     torchrun(gpqa_args(tiny_checkpoint, data, ",tp=2"), tmp_path / "tp")

@@ -12,7 +12,6 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 
 from kimi_helix import KimiK3ForCausalLM  # noqa: E402
 from kimi_helix.engine import LLM, SamplingParams  # noqa: E402
-from kimi_helix.evals import lm_eval_model  # noqa: E402
 from kimi_helix.evals.lm_eval_model import KimiHelixLM  # noqa: E402
 
 
@@ -101,7 +100,6 @@ def test_generate_until_equals_plain_llm_greedy(lm, hf_model):
     assert stopped == plain.text[: plain.text.find(stop)]
 
 
-@pytest.mark.skipif(not lm_eval_model._engine_accepts("speculative_config"), reason="no speculative decoding yet")
 def test_generate_until_with_speculative_decoding_equals_greedy(tiny_checkpoint, lm):
     spec = KimiHelixLM(
         pretrained=str(tiny_checkpoint),
@@ -115,18 +113,6 @@ def test_generate_until_with_speculative_decoding_equals_greedy(tiny_checkpoint,
         ("x", {"until": ["\n\n"], "max_gen_toks": 20}),
     ]
     assert spec.generate_until(requests("generate_until", args)) == lm.generate_until(requests("generate_until", args))
-
-
-@pytest.mark.skipif(lm_eval_model._engine_accepts("speculative_config"), reason="the engine has speculative decoding")
-def test_speculative_settings_without_engine_support_raise(tiny_checkpoint):
-    with pytest.raises(NotImplementedError, match="speculative decoding is not available"):
-        KimiHelixLM(pretrained=str(tiny_checkpoint), device="cpu", speculative_method="ngram")
-
-
-@pytest.mark.skipif(lm_eval_model._engine_accepts("tensor_parallel_size"), reason="the engine has tp/cp")
-def test_tp_cp_without_engine_support_raise(tiny_checkpoint):
-    with pytest.raises(NotImplementedError, match="tp=2, cp=1"):
-        KimiHelixLM(pretrained=str(tiny_checkpoint), device="cpu", tp=2)
 
 
 @pytest.mark.parametrize(("arg", "value"), [("dtype", "fp64"), ("tp", 0), ("max_length", 1), ("batch_size", "big")])
