@@ -38,3 +38,25 @@ def test_torchrun_helix_matches_one_process(checkpoint):
          "--model", str(checkpoint), "--cp", "2", "--page-size", "4", "--prompt", prompt, "--max-new-tokens", n]
     )  # fmt: skip
     assert cli == want  # the same flags on `kimi-helix generate` under torchrun
+
+
+def test_torchrun_tp2_cp2_cli_matches_one_process(tmp_path):
+    """tp = 2 and cp = 2 (four processes) through `kimi-helix generate --tp 2 --cp 2`: the single-process text."""
+    import torch
+
+    from kimi_helix import KimiK3ForCausalLM
+    from kimi_helix.tokenizer import build_byte_tokenizer
+
+    from .harness import parallel_test_config
+
+    torch.manual_seed(0)
+    KimiK3ForCausalLM(parallel_test_config()).save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    prompt, n = "pages of a helix", "10"
+    want = _run(["-m", "kimi_helix", "generate", "--model", str(tmp_path), "--prompt", prompt, "--max-new-tokens", n])
+    got = _run(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "kimi_helix", "generate",
+         "--model", str(tmp_path), "--tp", "2", "--cp", "2", "--page-size", "4", "--prompt", prompt,
+         "--max-new-tokens", n]
+    )  # fmt: skip
+    assert got == want and want.strip()
