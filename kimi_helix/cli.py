@@ -162,21 +162,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------- commands
 def _cmd_presets(args: argparse.Namespace) -> None:
-    from kimi_helix.modeling.accounting import count_parameters, n_kda_layers
-    from kimi_helix.presets import PRESETS, get_preset
+    from kimi_helix.presets import PRESETS, preset_parameters  # torch-free: the table needs no model
 
     rows = [("name", "layers", "hidden", "MLA heads", "experts", "params (total / active)")]
-    for name in PRESETS:
-        c = get_preset(name)
-        total, active = count_parameters(c)
-        n_kda = n_kda_layers(c)
+    for name, f in PRESETS.items():
+        total, active = preset_parameters(name)
+        n_kda = len(f["linear_attn_config"]["kda_layers"])
         rows.append(
             (
                 name,
-                f"{c.num_hidden_layers} ({n_kda} KDA + {c.num_hidden_layers - n_kda} MLA)",
-                str(c.hidden_size),
-                str(c.num_attention_heads),
-                f"{c.num_experts} top-{c.num_experts_per_token} +{c.num_shared_experts} shared",
+                f"{f['num_hidden_layers']} ({n_kda} KDA + {f['num_hidden_layers'] - n_kda} MLA)",
+                str(f["hidden_size"]),
+                str(f["num_attention_heads"]),
+                f"{f['num_experts']} top-{f['num_experts_per_token']} +{f['num_shared_experts']} shared",
                 f"{_count(total)} / {_count(active)}",
             )
         )

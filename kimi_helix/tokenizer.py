@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is imported by the functions that need it: `presets` reads only the ids below
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
 BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID = 256, 257, 258
@@ -40,6 +43,8 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     # No regex split and no prefix space: the pre-tokenizer must only relabel bytes, never add or regroup them.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
@@ -64,6 +69,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
                 "runs no code from a checkpoint (trust_remote_code=False). Load a tokenizer you trust yourself and "
                 "pass it in (LLM(..., tokenizer=...)), or use a folder whose tokenizer is data only (no auto_map)"
             )
+    from transformers import AutoTokenizer
+
     import kimi_helix
 
     kimi_helix.register_auto_classes()  # AutoTokenizer reads config.json: our model types must be known to it

@@ -362,9 +362,10 @@ def test_unknown_backend_variable_is_named(capsys, monkeypatch):
 @pytest.mark.skipif(
     not hasattr(kimi_helix, "__getattr__"), reason="kimi_helix/__init__.py imports the models eagerly (not lazy)"
 )
-def test_python_m_kimi_helix_help_does_not_import_torch():
+@pytest.mark.parametrize("argv", [["--help"], ["presets"]])
+def test_python_m_kimi_helix_help_and_presets_do_not_import_torch(argv):
     code = (
-        "import runpy, sys; sys.argv = ['kimi-helix', '--help']\n"
+        f"import runpy, sys; sys.argv = ['kimi-helix', *{argv!r}]\n"
         "try:\n    runpy.run_module('kimi_helix', run_name='__main__')\nexcept SystemExit as exit_:\n"
         "    assert not exit_.code\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"

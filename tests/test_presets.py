@@ -1,6 +1,10 @@
+import inspect
+
 import pytest
 
-from kimi_helix.presets import PRESETS, get_preset
+from kimi_helix.modeling.accounting import count_parameters
+from kimi_helix.modeling.config import KimiK3Config
+from kimi_helix.presets import _SIZE_DEFAULTS, PRESETS, get_preset, preset_parameters
 from kimi_helix.tokenizer import build_byte_tokenizer
 
 K3_SWITCHES = {"mla_use_output_gate": True, "gate_lower_bound": -5.0, "use_full_rank_gate": True, "mla_use_nope": False}
@@ -50,3 +54,16 @@ def test_tiny_presets_match_the_byte_tokenizer(name):
     assert c.vocab_size >= len(tok)
     assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     assert [t == "full_attention" for t in c.layer_types] == [False, False, True, False]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameters_equal_the_models_count(name):
+    """`kimi-helix presets` counts by arithmetic (no torch); the model built on the meta device must agree."""
+    assert preset_parameters(name) == count_parameters(get_preset(name))
+
+
+def test_size_defaults_are_the_config_classes():
+    defaults = {k: p.default for k, p in inspect.signature(KimiK3Config.__init__).parameters.items()}
+    resolved = get_preset("tiny")  # first_k_dense_replace / moe_layer_freq resolve from None
+    for field, value in _SIZE_DEFAULTS.items():
+        assert (defaults[field] if defaults[field] is not None else getattr(resolved, field)) == value, field
