@@ -71,7 +71,8 @@ def test_rolling_equals_whole_document_sum_when_it_fits(lm, hf_model):
     [got] = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
     ids = [lm.tokenizer.bos_token_id, *lm.tokenizer.encode(text)]
     rows = token_logprobs(hf_model, ids)
-    assert got == pytest.approx(rows[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item(), abs=1e-5)
+    # fp32 sums of ~30 token logprobs: relative, since the thread count changes the reduction order
+    assert got == pytest.approx(rows[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item(), rel=1e-6)
 
 
 def test_rolling_follows_lm_eval_windows_beyond_max_length(tiny_checkpoint, hf_model):
