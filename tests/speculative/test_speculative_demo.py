@@ -1,0 +1,48 @@
+"""Greedy speculative decoding on the shipped demo model (trained weights, KDA and MLA layers) equals plain greedy
+token for token: n-gram proposals and a DSpark drafter (random weights: exactness must not depend on its quality),
+k in {1, 3, 5}, 16-token pages so that verify groups straddle them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_helix.assets import demo_model_dir
+from kimi_helix.engine import LLM, SamplingParams
+from kimi_helix.speculative.dspark import DSparkConfig, DSparkDrafter
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\n\n\nclass Path:\n    def __init__(self, path):\n        self.path = path\n",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return [o.token_ids for o in LLM(dtype=torch.float32, device="cpu", page_size=PAGE).generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = DSparkConfig(
+        vocab_size=8192, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, head_dim=64,
+        intermediate_size=512, target_layer_ids=[1, 5], target_num_hidden_layers=8, block_size=6,
+        mask_token_id=2, markov_rank=8,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("demo-drafter")
+    DSparkDrafter(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_demo_model_speculative_greedy_equals_plain(plain, drafter_dir, method, k):
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method == "dspark":
+        spec["model"] = str(drafter_dir)
+    llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    assert llm.speculative.metrics.rounds > 0  # drafts were verified, not skipped
