@@ -145,18 +145,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def count_kernels(fn, device: torch.device, steps: int) -> float | None:
-    """CUDA kernel events per call of fn over `steps` profiled calls (memcpy/memset excluded); None off the GPU."""
+def profile_kernels(fn, device: torch.device, steps: int, top: int = 0) -> tuple[float | None, list[dict]]:
+    """CUDA kernel events per call of fn over `steps` profiled calls (memcpy/memset excluded), and the `top`
+    kernels by GPU time per call (name, calls and microseconds per step); (None, []) off the GPU."""
     if device.type != "cuda":
-        return None
+        return None, []
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         sync(device)
-    names = [e.name.lower() for e in prof.events() if e.device_type.name == "CUDA"]
-    return sum("memcpy" not in n and "memset" not in n for n in names) / steps
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)  # microseconds
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    table = [dict(kernel=name[:90], calls=len(t) / steps, us=round(sum(t) / steps, 1)) for name, t in ranked]
+    return len(kernels) / steps, table
 
 
 def experts_touched(llm: LLM) -> list[int]:
@@ -205,10 +212,10 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
         llm.step()
     sync(device)
     ms = (time.perf_counter() - start) * 1e3 / steps
-    kernels, counted = count_kernels(llm.step, device, PROFILED_STEPS), "replayed step"
+    (kernels, top), counted = profile_kernels(llm.step, device, PROFILED_STEPS, args.top_kernels), "replayed step"
     if kernels == 0 and llm.runner.graphs is not None:  # a profiler that misses graph kernels: the same step eagerly
         graphs, llm.runner.graphs = llm.runner.graphs, None
-        kernels, counted = count_kernels(llm.step, device, PROFILED_STEPS), "eager step"
+        (kernels, top), counted = profile_kernels(llm.step, device, PROFILED_STEPS, args.top_kernels), "eager step"
         llm.runner.graphs = graphs
     touched = experts_touched(llm)
     floor_bytes = weight_bytes(llm.model, batch, touched) + cache_bytes(llm, batch, context)
@@ -231,6 +238,12 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
         experts_touched_mean=round(sum(touched) / max(len(touched), 1), 1),
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    if top:
+        row["top_kernels"] = top
+        busy = sum(k["us"] for k in top)
+        print(f"batch {batch}, context {context}: top {len(top)} kernels, {busy / 1e3:.3f} of {ms:.3f} ms per step")
+        for k in top:
+            print(f"  {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['kernel']}")
     if graphs is not None and graphs.uncapturable:
         row["uncapturable"] = sorted(set(graphs.uncapturable.values()))[:1]
     del llm
@@ -346,6 +359,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=8192, help="the engine's token budget for the prefill case")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--top-kernels", type=int, default=0, help="print and record the N kernels of most GPU time")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSONL results (default: {DEFAULT_OUT})")
     return p.parse_args(argv)
 
