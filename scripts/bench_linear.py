@@ -6,7 +6,8 @@ shapes of a model preset, in TB/s of weight bytes.
     python scripts/bench_linear.py --device cpu --preset tiny --rows 1   # CPU smoke run (the interpreter)
 
 Each timed call runs the projection over a ring of distinct weights larger than the L2 cache, so every weight byte
-comes from HBM as it does in a decode step; the time is per projection. Rows go to benchmarks/results/linear.jsonl.
+comes from HBM as it does in a decode step, captured in a CUDA graph and replayed as the engine's decode step is;
+the time is per projection. Rows go to benchmarks/results/linear.jsonl.
 """
 
 from __future__ import annotations
@@ -60,12 +61,13 @@ def bench_shape(row: dict, x, weights, names, tiles, nbytes: int, device) -> lis
     """Times one projection over the ring of `weights` with the library and each tile into `row`; returns the
     table cells (us and TB/s per implementation)."""
     ref = torch.cat([F.linear(x, w) for w in weights[0]], -1).float()
-    ms = bench_ms(lambda: [[F.linear(x, w) for w in ws] for ws in weights], device) / len(weights)
+    graph = device.type == "cuda"  # replayed, so the time is the GPU's and not the launches' (~10-30 us each)
+    ms = bench_ms(lambda: [[F.linear(x, w) for w in ws] for ws in weights], device, graph) / len(weights)
     row["cublas_us"] = round(ms * 1e3, 2)
     cells = [f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}"]
     for name, tile in zip(names, tiles):
         err = (linear_triton(x, weights[0], tile).float() - ref).norm() / ref.norm()
-        ms = bench_ms(lambda t=tile: [linear_triton(x, ws, t) for ws in weights], device) / len(weights)
+        ms = bench_ms(lambda t=tile: [linear_triton(x, ws, t) for ws in weights], device, graph) / len(weights)
         row[f"triton_{name}_us"], row[f"triton_{name}_rel_err"] = round(ms * 1e3, 2), float(f"{err:.2e}")
         cells.append(f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}")
     return cells
