@@ -65,6 +65,13 @@ def bench_shape(row: dict, x, weights, names, tiles, nbytes: int, device) -> lis
     ms = bench_ms(lambda: [[F.linear(x, w) for w in ws] for ws in weights], device, graph) / len(weights)
     row["cublas_us"] = round(ms * 1e3, 2)
     cells = [f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}"]
+    if graph:  # the other BLAS front end torch can call: it picks its kernels by other heuristics
+        default = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        ms = bench_ms(lambda: [[F.linear(x, w) for w in ws] for ws in weights], device, graph) / len(weights)
+        torch.backends.cuda.preferred_blas_library(default)
+        row["cublaslt_us"] = round(ms * 1e3, 2)
+        cells.append(f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}")
     for name, tile in zip(names, tiles):
         err = (linear_triton(x, weights[0], tile).float() - ref).norm() / ref.norm()
         ms = bench_ms(lambda t=tile: [linear_triton(x, ws, t) for ws in weights], device, graph) / len(weights)
@@ -90,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["copy_tbps"] = round(copy_tbps(device), 3)
     print(f"{args.preset} projections, {dtype}, copy bandwidth {meta.get('copy_tbps', '-')} TB/s")
     head = " | ".join(f"{t} us | TB/s" for t in args.tiles.split(","))
-    print(f"| projection | rows | cuBLAS us | TB/s | {head} |")
+    lt = "cuBLASLt us | TB/s | " if device.type == "cuda" else ""
+    print(f"| projection | rows | cuBLAS us | TB/s | {lt}{head} |")
     with JsonlWriter(args.out) as out:
         for name, shapes in projections(args.preset).items():
             nbytes = sum(n * k for n, k in shapes) * dtype.itemsize
