@@ -54,7 +54,7 @@ def projections(preset: str) -> dict[str, list[tuple[int, int]]]:
 
 def parse_tile(text: str) -> Tile:
     n, k, w, s = (int(v) for v in text.split("x"))
-    return Tile(block_n=n or None, block_k=k, num_warps=w, num_stages=s)
+    return Tile(block_n=n, block_k=k, num_warps=w, num_stages=s)
 
 
 def bench_shape(row: dict, x, weights, names, tiles, nbytes: int, device) -> list[str]:
@@ -85,18 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="kimi-linear-48b-a3b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", default="1,4,16", help="comma-separated rows per call (default: 1,4,16)")
-    p.add_argument("--tiles", default="0x256x4x4", help="BLOCK_N x BLOCK_K x warps x stages, comma-separated "
-                   "(BLOCK_N 0: the kernel's own choice)")  # fmt: skip
+    p.add_argument("--tiles", default="", help="BLOCK_N x BLOCK_K x warps x stages, comma-separated, beside the "
+                   "kernel's own choice")  # fmt: skip
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tiles = [parse_tile(t) for t in args.tiles.split(",")]
+    names = ["default", *filter(None, args.tiles.split(","))]
+    tiles = [None, *(parse_tile(t) for t in names[1:])]
     meta = run_metadata() | {"preset": args.preset}
     if device.type == "cuda":
         meta["copy_tbps"] = round(copy_tbps(device), 3)
     print(f"{args.preset} projections, {dtype}, copy bandwidth {meta.get('copy_tbps', '-')} TB/s")
-    head = " | ".join(f"{t} us | TB/s" for t in args.tiles.split(","))
+    head = " | ".join(f"{t} us | TB/s" for t in names)
     lt = "cuBLASLt us | TB/s | " if device.type == "cuda" else ""
     print(f"| projection | rows | cuBLAS us | TB/s | {lt}{head} |")
     with JsonlWriter(args.out) as out:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             for rows in (int(r) for r in args.rows.split(",")):
                 row = dict(meta, projection=name, rows=rows, weight_mb=round(nbytes / 1e6, 2))
                 x = torch.randn(rows, shapes[0][1], device=device, dtype=dtype)
-                cells = bench_shape(row, x, weights, args.tiles.split(","), tiles, nbytes, device)
+                cells = bench_shape(row, x, weights, names, tiles, nbytes, device)
                 out.write(row)
                 print(f"| {name} | {rows} | {' | '.join(cells)} |")
     return 0

@@ -17,7 +17,7 @@ from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv
 
-__all__ = ["CAPS", "MAX_ROWS", "MAX_WEIGHTS", "Tile", "linear_triton"]
+__all__ = ["CAPS", "MAX_ROWS", "MAX_WEIGHTS", "Tile", "default_tile", "linear_triton"]
 
 # One BLOCK_M tile of rows per program: the kernel serves at most MAX_ROWS rows (larger batches go to the GEMM
 # library, whose tiles fit them); up to MAX_WEIGHTS weights per launch.
@@ -28,9 +28,9 @@ CAPS = OpCaps(triton_devices(), FLOATS, max_rows=MAX_ROWS)
 
 @dataclass(frozen=True)
 class Tile:
-    """Launch shape: the column tile (None: `block_n`), the K step, warps and pipeline stages."""
+    """Launch shape: the column tile, the K step, warps and pipeline stages."""
 
-    block_n: int | None = None
+    block_n: int = 32
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
@@ -63,14 +63,13 @@ def linear_kernel(
     tl.store(dst, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def block_n(total_cols: int, device_index: int | None) -> int:
-    """The widest column tile (128 down to 16) that still gives every SM a program: a decode GEMV is bound by the
-    bytes in flight, so idle SMs cost more than narrow tiles."""
-    sms = num_sms(device_index)
-    for width in (128, 64, 32):
-        if cdiv(total_cols, width) >= sms:
-            return width
-    return 16
+def default_tile(total_cols: int, device_index: int | None) -> Tile:
+    """Wide tiles with short K steps where the columns give every SM more than one program, else 32 columns with
+    long K steps: a decode GEMV is bound by the bytes in flight, and idle SMs cost more than narrow tiles
+    (the H200 comparison with cuBLAS is in docs/benchmarks.md)."""
+    if cdiv(total_cols, 64) >= 1.4 * num_sms(device_index):
+        return Tile(block_n=64, block_k=128)
+    return Tile(block_n=32, block_k=256)
 
 
 def linear_triton(x: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor], tile: Tile = Tile()) -> torch.Tensor:
@@ -80,7 +79,7 @@ def linear_triton(x: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor
         x: [..., K] fp32/fp16/bf16 with at most MAX_ROWS rows (the product of the leading dims); the last dim
             contiguous.
         weights: one [N, K] weight or up to MAX_WEIGHTS [N_i, K] weights, contiguous, of x's dtype and device.
-        tile: the launch shape (scripts/bench_linear.py compares them).
+        tile: the launch shape (None: `default_tile`; scripts/bench_linear.py compares them).
 
     Returns:
         [..., sum N_i] contiguous, in x's dtype (fp32 accumulation).
@@ -106,14 +105,14 @@ def linear_triton(x: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor
         return out
     if k == 0:
         return out.zero_()
-    width = tile.block_n or block_n(sum(ns), x.device.index)
-    tiles = [cdiv(n, width) for n in ns]
+    tile = tile or default_tile(sum(ns), x.device.index)
+    tiles = [cdiv(n, tile.block_n) for n in ns]
     ws += [ws[0]] * (MAX_WEIGHTS - len(ws))
     ns += [0] * (MAX_WEIGHTS - len(ns))
     tiles += [0] * (MAX_WEIGHTS - len(tiles))
     linear_kernel[(sum(tiles),)](
         x2, *ws, out, x2.shape[0], k, *ns, tiles[0], tiles[1], x2.stride(0), sum(ns),
-        BLOCK_M=MAX_ROWS, BLOCK_N=width, BLOCK_K=tile.block_k,
+        BLOCK_M=MAX_ROWS, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

@@ -7,7 +7,7 @@ import torch
 
 from kimi_helix.kernels.backends import BackendUnavailableError
 from kimi_helix.kernels.linear import linear, linear_ref
-from kimi_helix.kernels.linear.triton import MAX_ROWS, block_n, linear_triton
+from kimi_helix.kernels.linear.triton import MAX_ROWS, Tile, default_tile, linear_triton
 
 from ..conftest import DEVICE, TOL, assert_rel_close, rnd
 
@@ -34,8 +34,13 @@ def test_several_weights_write_side_by_side():
     assert_rel_close("v part", y[..., 56:], linear_ref(x, ws[2]), TOL[torch.float32])
 
 
-def test_column_tiles_fill_the_sms():
-    assert block_n(4096, None) == 16 and block_n(132 * 128, None) == 128 and block_n(100, None) == 16
+def test_tiles_by_columns_and_every_tile_shape_is_exact():
+    """Wide tiles once the columns give every SM more than one program (an H200's 132 SMs off the GPU); every
+    launch shape the benchmark compares gives the reference's result, partial tiles included."""
+    assert default_tile(3 * 4096, None) == Tile(64, 128) and default_tile(4096, None) == Tile(32, 256)
+    x, w = rnd(3, 200, seed=15), rnd(50, 200, seed=16)
+    for tile in (Tile(16, 64), Tile(32, 256), Tile(64, 128, num_warps=8, num_stages=2)):
+        assert_rel_close(f"y {tile}", linear_triton(x, w, tile), linear_ref(x, w), TOL[torch.float32])
 
 
 def test_switch_sends_more_rows_to_the_reference():
