@@ -38,17 +38,17 @@ class Tile:
 
 @triton.jit
 def linear_kernel(
-    x, w0, w1, w2, out, M, K, N0, N1, N2, TILES0, TILES1, stride_xm, stride_om,
+    x, w0, w1, w2, out, M, K, N0, N1, N2, S0, S1, S2, TILES0, TILES1, stride_xm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # the program's weight, its column tile in that weight, and where that weight's outputs start in `out`
     if pid < TILES0:
-        w, n_w, tile, col0 = w0, N0, pid, 0
+        w, n_w, stride_w, tile, col0 = w0, N0, S0, pid, 0
     elif pid < TILES0 + TILES1:
-        w, n_w, tile, col0 = w1, N1, pid - TILES0, N0
+        w, n_w, stride_w, tile, col0 = w1, N1, S1, pid - TILES0, N0
     else:
-        w, n_w, tile, col0 = w2, N2, pid - TILES0 - TILES1, N0 + N1
+        w, n_w, stride_w, tile, col0 = w2, N2, S2, pid - TILES0 - TILES1, N0 + N1
     rows = tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < n_w
@@ -57,7 +57,8 @@ def linear_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         xt = tl.load(x + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wt = tl.load(w + cols[:, None].to(tl.int64) * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        w_rows = w + cols[:, None].to(tl.int64) * stride_w
+        wt = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PRECISION)
     dst = out + rows[:, None] * stride_om + col0 + cols[None, :]
     tl.store(dst, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -78,7 +79,8 @@ def linear_triton(x: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor
     Args:
         x: [..., K] fp32/fp16/bf16 with at most MAX_ROWS rows (the product of the leading dims); the last dim
             contiguous.
-        weights: one [N, K] weight or up to MAX_WEIGHTS [N_i, K] weights, contiguous, of x's dtype and device.
+        weights: one [N, K] weight or up to MAX_WEIGHTS [N_i, K] weights of x's dtype and device, columns contiguous
+            (rows may be strided: column shards of a larger weight).
         tile: the launch shape (None: `default_tile`; scripts/bench_linear.py compares them).
 
     Returns:
@@ -89,17 +91,17 @@ def linear_triton(x: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor
         raise ValueError(f"weights must be 1 to {MAX_WEIGHTS} tensors, got {len(ws)}")
     k = x.shape[-1]
     for i, w in enumerate(ws):
-        if w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
+        if w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.device != x.device or w.stride(-1) != 1:
             raise ValueError(
-                f"weights[{i}] must be a contiguous [N, {k}] {x.dtype} tensor on {x.device}, got {w.dtype} "
-                f"{list(w.shape)} on {w.device}"
+                f"weights[{i}] must be an [N, {k}] {x.dtype} tensor on {x.device} with unit column stride, got "
+                f"{w.dtype} {list(w.shape)} strides {w.stride()} on {w.device}"
             )
     check_triton_device("x", x)
     x2 = x.reshape(-1, k)
     if x2.shape[0] > MAX_ROWS:
         raise ValueError(f"x has {x2.shape[0]} rows; the Triton linear serves at most {MAX_ROWS}")
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    ns = [w.shape[0] for w in ws]
+    ns, strides = [w.shape[0] for w in ws], [w.stride(0) for w in ws]
     out = torch.empty(*x.shape[:-1], sum(ns), dtype=x.dtype, device=x.device)
     if x2.shape[0] == 0 or sum(ns) == 0:
         return out
@@ -109,9 +111,10 @@ def linear_triton(x: torch.Tensor, weights: torch.Tensor | Sequence[torch.Tensor
     tiles = [cdiv(n, tile.block_n) for n in ns]
     ws += [ws[0]] * (MAX_WEIGHTS - len(ws))
     ns += [0] * (MAX_WEIGHTS - len(ns))
+    strides += [0] * (MAX_WEIGHTS - len(strides))
     tiles += [0] * (MAX_WEIGHTS - len(tiles))
     linear_kernel[(sum(tiles),)](
-        x2, *ws, out, x2.shape[0], k, *ns, tiles[0], tiles[1], x2.stride(0), sum(ns),
+        x2, *ws, out, x2.shape[0], k, *ns, *strides, tiles[0], tiles[1], x2.stride(0), sum(ns),
         BLOCK_M=MAX_ROWS, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tile.num_warps, num_stages=tile.num_stages,
