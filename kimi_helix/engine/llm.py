@@ -96,6 +96,8 @@ class LLM:
         speculative_config: None, or vLLM's spelling: `{"method": "dspark" | "ngram", "model": DRAFT_DIR,
             "num_speculative_tokens": k, ...}` (see `kimi_helix.speculative.validator`); checked before any
             weights load. `{"method": "custom", "num_speculative_tokens": k}` with `proposer=` runs your own.
+            Under tp * cp > 1 every rank drafts in lockstep and keeps rank 0's drafts and verdicts; cp > 1 admits
+            DSpark linear chains only.
         proposer: a `kimi_helix.speculative.proposers.Proposer` for method "custom" (docs/speculative.md).
         tokenizer: for string prompts and stop strings; default: the one saved in the model's folder (a directory,
             or the `name_or_path` a loaded model came from), loaded by `load_tokenizer`, which runs no code from it.
@@ -163,10 +165,20 @@ class LLM:
                 raise ValueError(
                     "device_map='auto' cannot be combined with tensor_parallel_size * context_parallel_size > 1"
                 )
-        if parallel and (speculative_config is not None or proposer is not None):
-            raise ValueError(
-                "speculative_config / proposer cannot be combined with tensor_parallel_size * "
-                "context_parallel_size > 1 yet (drafts and KDA rollback are single-process)"
+        spec = None
+        if speculative_config is not None or proposer is not None:
+            from ..speculative.engine import check_speculative_config
+
+            spec = check_speculative_config(
+                speculative_config,
+                model,
+                proposer,
+                dtype,
+                _check_device(device),
+                kv_cache_dtype,
+                backends.attention,
+                tp=tensor_parallel_size,
+                cp=context_parallel_size,
             )
         self.comm = None
         path = Path(model) if isinstance(model, (str, Path)) else None
@@ -179,13 +191,6 @@ class LLM:
             )
             device = device or next(model.parameters()).device
         device = _check_device(device)
-        spec = None
-        if speculative_config is not None or proposer is not None:
-            from ..speculative.engine import check_speculative_config
-
-            spec = check_speculative_config(
-                speculative_config, model, proposer, dtype, device, kv_cache_dtype, backends.attention
-            )
         if path is not None and self.comm is None:
             if device_map is not None:
                 model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
@@ -321,8 +326,10 @@ class LLM:
         if not step.requests:
             raise RuntimeError("scheduler made no progress: no running request and none admissible")
         out = self.runner.run(step)
+        verified = {}
         if self.speculative is not None:
             self.speculative.observe(step)
+            verified = self.speculative.verify_step(step, out)
         for r, n in zip(step.requests, step.num_tokens):
             r.num_computed += n
         # Every row a decode, a verify group or a final prefill chunk sampled from, in one batched draw.
@@ -342,8 +349,8 @@ class LLM:
         for i, (r, phase, tokens, rows) in enumerate(zip(step.requests, step.phases, step.token_ids, out.rows)):
             if phase is Phase.PREFILL and r.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(r, tokens, out.logits[rows])
-            if i in per_request or (phase is Phase.VERIFY and self.speculative is not None):
-                new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows])
+            if i in per_request or i in verified:
+                new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows], verified.get(i))
                 generated += new
                 finished += done
         self.metrics.append(
@@ -371,16 +378,16 @@ class LLM:
             return range(0)
         return range(rows.stop - 1, rows.stop)
 
-    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits) -> tuple[int, int]:
+    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits, verified=None):
         """Append the sampled tokens; for a verify group, the drafts that match the draws and then the first draw
-        that does not (or the bonus draw after the last draft). Returns (tokens appended, whether it finished).
+        that does not (or the bonus draw after the last draft), or what the speculative decoder's `verified`
+        result kept. Returns (tokens appended, whether it finished).
 
         Accepting a draft exactly when the draw equals it keeps every token distributed as plain sampling would.
         The cache keeps the accepted tokens only (`PagedCache.rollback`)."""
         drafts = tokens[1:] if phase is Phase.VERIFY else []
-        if drafts and self.speculative is not None:
-            result = self.speculative.verify(request, drafts, logits[-len(tokens) :])
-            sampled, accepted = result.tokens, result.num_accepted
+        if verified is not None:
+            sampled, accepted = verified.tokens, verified.num_accepted
         else:
             accepted = 0
             while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:

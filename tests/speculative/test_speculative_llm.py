@@ -14,9 +14,8 @@ from kimi_helix.modeling import KimiK3ForCausalLM
 from kimi_helix.presets import get_preset
 from kimi_helix.speculative import UnsupportedConfigError
 from kimi_helix.speculative.dspark import DSparkDrafter
-from kimi_helix.speculative.proposers import Proposal, Proposer
 
-from .conftest import tiny_drafter_config
+from .conftest import OracleProposer, tiny_drafter_config
 
 GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
 PAGE = 4  # verify groups of up to 6 tokens always straddle 4-token pages
@@ -39,29 +38,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def plain(model, prompts):
     return [o.token_ids for o in LLM(model, page_size=PAGE).generate(prompts, GREEDY)]
-
-
-class OracleProposer(Proposer):
-    """Proposes the true greedy continuation with one wrong token at a position that cycles through 0..k (k: all
-    right), so every acceptance length 0..k occurs; requests in `plain_ids` get no drafts (plain decodes)."""
-
-    name = "oracle"
-
-    def __init__(self, oracle, plain_ids=(), vocab=256):
-        self.oracle, self.plain_ids, self.vocab, self.rounds = oracle, set(plain_ids), vocab, {}
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            if r.seq_id in self.plain_ids:
-                out.append(Proposal([]))
-                continue
-            done = len(r.token_ids) - len(self.oracle[r.seq_id]["prompt"])
-            drafts = self.oracle[r.seq_id]["out"][done : done + r.num_tokens]
-            bad = self.rounds.get(r.seq_id, 0) % (r.num_tokens + 1)
-            self.rounds[r.seq_id] = self.rounds.get(r.seq_id, 0) + 1
-            out.append(Proposal([(t + 1) % self.vocab if j == bad else t for j, t in enumerate(drafts)]))
-        return out
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
