@@ -57,6 +57,47 @@ def test_forced_partial_acceptance_equals_plain_greedy(model, prompts, plain, k)
     assert all(0 < a < 1 for a in m.acceptance_by_position)
 
 
+def _ledger_trace(llm, prompts):
+    """Step `prompts` through `llm`; after each step, per running request (its cached length, whether it equals
+    the tokens it kept, its pages), and the free-page count."""
+    requests = [llm._make_request(p, GREEDY) for p in prompts]
+    for r in requests:
+        llm.scheduler.add(r)
+    ledger, trace = llm.cache.ledger, []
+    while llm.scheduler.has_work:
+        llm.step()
+        seqs = {r.request_id: ledger.seqs[r.request_id] for r in llm.scheduler.running}
+        rows = {i: (b.length == requests[i].num_computed, tuple(b.pages)) for i, b in seqs.items()}
+        trace.append((rows, len(ledger.free_pages)))
+    return requests, trace
+
+
+def test_rollback_leaves_the_ledger_of_a_plain_run(model, prompts, plain):
+    """After every forced partial acceptance (verify groups straddling 4-token pages) each sequence's cached MLA
+    length is the kept tokens, it holds the pages it was admitted with (prompt + max_tokens - 1 reserved at
+    admission: the pages past the accepted length stay its own for the next tokens, nothing is taken or leaked),
+    and the free-page count is a plain run's with the same requests running; at the end every page is free."""
+    oracle = {i: {"prompt": p, "out": o} for i, (p, o) in enumerate(zip(prompts, plain))}
+    spec = {"method": "custom", "num_speculative_tokens": 3}
+    runs = {
+        "plain": LLM(model, page_size=PAGE),
+        "spec": LLM(model, page_size=PAGE, speculative_config=spec, proposer=OracleProposer(oracle)),
+    }
+    admitted, free = {}, {}
+    for name, llm in runs.items():
+        requests, trace = _ledger_trace(llm, prompts)
+        assert [r.output_ids for r in requests] == plain
+        ledger = llm.cache.ledger
+        admitted[name] = trace[0][0]
+        for rows, num_free in trace:
+            assert all(same and pages == admitted[name][i][1] for i, (same, pages) in rows.items())
+            free.setdefault(name, {})[frozenset(rows)] = num_free
+        assert len(ledger.free_pages) == ledger.num_pages and len(ledger.free_slots) == ledger.num_slots
+    assert runs["spec"].speculative.metrics.rounds > 0
+    shared = free["plain"].keys() & free["spec"].keys()
+    assert shared and all(free["plain"][s] == free["spec"][s] for s in shared)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_ngram_greedy_equals_plain_greedy(model, prompts, plain, k):
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
