@@ -83,11 +83,8 @@ class SpeculativeDecoder:
         comm=None,
         token_weight: float = 1.0,
     ):
-        self.proposer = proposer
-        self.num_tokens = num_tokens
-        self.step_rate = step_rate
-        self.comm = comm
-        self.token_weight = token_weight
+        self.proposer, self.num_tokens, self.step_rate = proposer, num_tokens, step_rate
+        self.comm, self.token_weight = comm, token_weight  # the ranks' collectives; a draft token's batch price
         self.device = model.get_input_embeddings().weight.device
         self.metrics = SpeculativeMetrics()
         self._proposals: dict[int, Proposal] = {}
