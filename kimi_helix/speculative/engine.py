@@ -225,9 +225,11 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
         if spec.step_rate_table is None:
             rate = profile_step_rate(step, sizes, synchronize=sync)
         else:
-            c = model.config
+            c, m = model.config, None if llm.comm is None else llm.comm.mapping
+            layout = "" if m is None else f"-tp{m.tp}cp{m.cp}"  # each rank's step is its share of the layout's
             key = f"{c.model_type}-L{c.num_hidden_layers}-d{c.hidden_size}-{llm.device.type}-{model.dtype}-g{group}"
-            rate = cached_step_rate(spec.step_rate_table, key, step, sizes, synchronize=sync)
+            save = m is None or m.rank == 0
+            rate = cached_step_rate(spec.step_rate_table, key + layout, step, sizes, save=save, synchronize=sync)
     cp = 1 if llm.comm is None else llm.comm.mapping.cp
     return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens, rate, comm=llm.comm, token_weight=cp)
 

@@ -1,8 +1,8 @@
 """Speculative decoding under Helix (cp=2) and tensor parallelism (tp=2) on gloo ranks: greedy output equals the
-one-process plain greedy output token for token, for DSpark (a random drafter) and ngram with k in {1, 3}, and for
-partial acceptance forced at every position with a plain request in the batch; unseeded sampling keeps the ranks
-in step (they all continue with rank 0's drafts and verdicts). Pages of 4 tokens make verify groups
-straddle pages, so a group's tokens live on both cp ranks (per-token ownership and key bounds)."""
+one-process plain greedy output token for token, for DSpark (a random drafter) and ngram with k in {1, 3}, for
+partial acceptance forced at every position with a plain request in the batch, and under confidence scheduling;
+unseeded sampling keeps the ranks in step (they all continue with rank 0's drafts and verdicts). Pages of 4 tokens
+make verify groups straddle pages, so a group's tokens live on both cp ranks (per-token ownership and key bounds)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,18 @@ def _ngram(k):
 
 
 LAYOUTS = {
-    "cp2": (1, 2, [("dspark1", _dspark(1)), ("dspark3", _dspark(3)), ("forced", _dspark(3)), ("sampled", _dspark(3))]),
+    "cp2": (
+        1,
+        2,
+        [
+            ("dspark1", _dspark(1)),
+            ("dspark3", _dspark(3)),
+            ("forced", _dspark(3)),
+            ("sampled", _dspark(3)),
+            # each rank profiles its own step-rate table; the lengths Algorithm 1 gives on rank 0 hold everywhere
+            ("confident", {**_dspark(3), "confidence_scheduling": True}),
+        ],
+    ),
     "tp2": (
         2,
         1,
