@@ -169,7 +169,7 @@ def _target_config(model):
 
 def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtype, attention_backend, tp=1, cp=1):
     """Validate `spec` for `LLM` on a `tp` x `cp` layout before any weights load (reads the target's and the
-    drafter's config.json only).
+    drafter's config.json only). DSpark without a `model` on the demo model uses the drafter shipped beside it.
 
     Returns the `SpeculativeConfig`; raises `UnsupportedConfigError` with every reason."""
     spec = dict(spec or {})
@@ -180,6 +180,13 @@ def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtyp
     if attention_backend is not None:
         spec.setdefault("attention_backend", attention_backend)
     target = _target_config(model)
+    if spec.get("method") == "dspark" and spec.get("model") is None:
+        from .. import assets  # the drafter shipped for the demo model, when the target is the demo model
+
+        folder = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", None)
+        default = assets.default_drafter_dir(folder)
+        if default is not None:
+            spec["model"] = str(default)
     drafter = None
     if spec.get("method") == "dspark" and spec.get("model") is not None:
         folder = Path(spec["model"])

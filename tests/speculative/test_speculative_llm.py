@@ -145,6 +145,23 @@ def test_validator_runs_before_any_weights_load(tmp_path, drafter_dir):
         LLM(tmp_path, device="cpu", speculative_config={"method": "custom", "num_speculative_tokens": 2})
 
 
+def test_dspark_without_a_model_takes_the_targets_default_drafter(tmp_path, drafter_dir, monkeypatch):
+    """`assets.default_drafter_dir` names the drafter shipped for a target folder (the demo model's); without
+    one, DSpark needs a `model`."""
+    from kimi_helix import assets
+
+    get_preset("tiny").save_pretrained(tmp_path)
+    asked = []
+    monkeypatch.setattr(assets, "default_drafter_dir", lambda folder: asked.append(folder), raising=False)
+    with pytest.raises(UnsupportedConfigError, match="dspark needs a drafter"):
+        LLM(tmp_path, device="cpu", speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    assert asked == [tmp_path]
+    monkeypatch.setattr(assets, "default_drafter_dir", lambda folder: drafter_dir, raising=False)
+    with pytest.raises(UnsupportedConfigError, match="num_speculative_tokens") as err:  # its block size is 5
+        LLM(tmp_path, device="cpu", speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+    assert [r.field for r in err.value.reasons] == ["num_speculative_tokens"]
+
+
 def test_kda_state_cannot_be_cut_outside_the_last_verify_group(model):
     llm = LLM(model, page_size=PAGE)
     request = llm._make_request(list(range(1, 8)), SamplingParams(max_tokens=5, temperature=0.0))
