@@ -304,7 +304,7 @@ class LLM:
         verified = {}
         if self.speculative is not None:
             self.speculative.observe(step)
-            verified = self.speculative.verify_step(step, out)
+            verified = self.speculative.verify_groups(step, out)
         for r, n in zip(step.requests, step.num_tokens):
             r.num_computed += n
         # Every row a decode, a verify group or a final prefill chunk sampled from, in one batched draw.

@@ -121,7 +121,7 @@ class SpeculativeDecoder:
             self.proposer.observe(r.request_id, r.num_computed, features[start : start + n])
             start += n
 
-    def verify_step(self, step, out) -> dict[int, VerifyResult]:
+    def verify_groups(self, step, out) -> dict[int, VerifyResult]:
         """Verify every verify group of `step` against the runner's output `out`: {index in the step: result}.
 
         A group's drafts are its tokens after the first (the k the scheduler kept); its k + 1 logit rows are the
