@@ -57,7 +57,7 @@ def _spec_rank(rank, world, tp, cp, specs, drafter_dir):
                 proposer=proposer,
                 **KW,
             )
-            if name == "forced":  # cp > 1 admits DSpark only: swap its drafts for the oracle's behind the engine
+            if name == "forced" and proposer is None:  # cp > 1 admits DSpark only: the oracle drafts behind it
                 llm.speculative.proposer = _oracle(plain)
             if name == "sampled":
                 torch.manual_seed(100 + rank)  # the ranks' global RNGs differ, as unrelated processes' may
