@@ -87,6 +87,8 @@ class KimiDeltaAttention(nn.Module):
         t, (h, k), cu = qkv.shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
         record = Phase.VERIFY in run.batch.phases and hasattr(cache, "record_verify")
         conv_before, inputs = (conv_state[slots].clone(), qkv) if record else (None, None)
+        # a static per-layer buffer for the per-token states, so that a graph-replayed verify writes in place
+        scratch = cache.verify_scratch(self.layer_idx, t) if record and hasattr(cache, "verify_scratch") else None
         if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(
                 qkv, conv_state, self.conv_weight(), state_indices=slots, backend=self.backends.kernels
@@ -112,7 +114,7 @@ class KimiDeltaAttention(nn.Module):
             dt_bias=self.dt_bias,
             lower_bound=self.gate_lower_bound,
             backend=self.backends.kernels,
-            **({"return_intermediate_states": True} if record else {}),
+            **({"return_intermediate_states": True, "intermediate_states": scratch} if record else {}),
         )
         if record:
             cache.record_verify(self.layer_idx, run, conv_before, inputs, states)

@@ -18,7 +18,12 @@ import triton.language as tl
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
 from kimi_helix.kernels.device import triton_devices
-from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
+from kimi_helix.kernels.kda.common import (
+    check_gate_args,
+    check_intermediate_states,
+    check_kda_inputs,
+    check_state,
+)
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
 
@@ -172,6 +177,7 @@ def fused_recurrent_kda_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    intermediate_states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA in one kernel; the contract of ``naive_recurrent_kda`` plus a state pool and a fused gate.
 
@@ -198,6 +204,9 @@ def fused_recurrent_kda_triton(
             kernel applies ``kda_gate(f, A_log, dt_bias, lower_bound)``.
         dt_bias: see ``A_log``.
         lower_bound: negative bound of Kimi K3's sigmoid gate, or None for Kimi-Linear's softplus gate.
+        intermediate_states: with ``return_intermediate_states``, a preallocated contiguous fp32
+            ``[B * T, H, K, V]`` buffer the per-token states are written into (and which is returned), so that a
+            CUDA-graph replay writes to a static address; None allocates.
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state)``: ``final_state`` is ``[N, H, K, V]`` fp32 (the pool itself with
@@ -220,6 +229,7 @@ def fused_recurrent_kda_triton(
     if state_indices is not None:
         check_index("state_indices", state_indices, N, q.device)
     initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
+    check_intermediate_states(intermediate_states, return_intermediate_states, B * T, H, K, V, q.device)
 
     q_, sqt, sqh = _token_major("q", q, 4)
     k_, skt, skh = _token_major("k", k, 4)
@@ -227,8 +237,8 @@ def fused_recurrent_kda_triton(
     g_, sgt, sgh = _token_major("g", g, 4)
     b_, sbt, sbh = _token_major("beta", beta, 3)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    states = None
-    if return_intermediate_states:
+    states = intermediate_states
+    if return_intermediate_states and states is None:
         states = torch.empty(B * T, H, K, V, dtype=torch.float32, device=q.device)
     final = None
     if output_final_state and state_indices is not None:

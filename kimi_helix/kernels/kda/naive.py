@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kimi_helix.kernels.common import check_shape, gather_states, scatter_states, segment_bounds
-from kimi_helix.kernels.kda.common import check_kda_inputs
+from kimi_helix.kernels.kda.common import check_intermediate_states, check_kda_inputs
 
 __all__ = ["kda_gate", "l2norm", "naive_recurrent_kda", "naive_chunk_kda"]
 
@@ -170,6 +170,7 @@ def naive_recurrent_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    intermediate_states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA reference.
 
@@ -192,12 +193,16 @@ def naive_recurrent_kda(
         return_intermediate_states: return every per-token state instead of the final one.
         A_log, dt_bias, lower_bound: when given, ``g`` is the raw gate pre-activation and the log-decay is
             ``kda_gate(g, A_log, dt_bias, lower_bound)``.
+        intermediate_states: with ``return_intermediate_states``, a contiguous fp32 ``[B * T, H, K, V]`` buffer
+            the per-token states are copied into and which is returned; None allocates.
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``; with
         ``return_intermediate_states=True`` the second item is ``[B * T, H, K, V]`` fp32, the state after each
         token in packed token order (for rolling back speculative decoding).
     """
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
+    check_intermediate_states(intermediate_states, return_intermediate_states, B * T, H, K, V, q.device)
     fn = partial(_recurrent_segment, keep_states=return_intermediate_states)
     g = _log_decay(g, A_log, dt_bias, lower_bound)
     state = gather_states(initial_state, state_indices)
@@ -205,7 +210,7 @@ def naive_recurrent_kda(
     if output_final_state and state_indices is not None:
         final = scatter_states(initial_state, state_indices, final)
     if return_intermediate_states:
-        return o, states
+        return o, states if intermediate_states is None else intermediate_states.copy_(states)
     return o, final if output_final_state else None
 
 

@@ -159,11 +159,17 @@ def test_intermediate_states(varlen):
     )
     assert states.shape == (q.shape[0] * q.shape[1], H, K, V) and states.dtype == torch.float32
     assert torch.equal(o, o_plain)
+    buf = torch.full_like(states, float("nan"))
+    kw |= dict(initial_state=s0, cu_seqlens=cu, return_intermediate_states=True)
+    _, into = naive_recurrent_kda(q, k, v, g, beta, intermediate_states=buf, **kw)
+    assert into is buf and torch.equal(buf, states)
     for n, b, start, end, offset in seqs:
         assert_rel_close(f"last state[seq {n}]", states[offset + end - 1], s_final[n], 1e-6)
         for t in range(start, end):
             x = [a[b : b + 1, start : t + 1] for a in (q, k, v, g, beta)]
-            _, s_t = naive_recurrent_kda(*x, initial_state=s0[n : n + 1], output_final_state=True, **kw)
+            _, s_t = naive_recurrent_kda(
+                *x, initial_state=s0[n : n + 1], output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
             assert_rel_close(f"states[{offset + t}]", states[offset + t], s_t[0], 1e-6)
 
 

@@ -355,20 +355,25 @@ def test_recurrent_state_pool_in_place(output_final_state):
         assert ret is None and torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("buffer", [False, True], ids=["allocated", "into_buffer"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_intermediate_states_equal_decode_steps(varlen):
-    """Verify (T = k + 1 tokens at once) returns every per-token state; decoding token by token reproduces them."""
+def test_intermediate_states_equal_decode_steps(varlen, buffer):
+    """Verify (T = k + 1 tokens at once) returns every per-token state, in a NaN-filled caller buffer when one is
+    given (`intermediate_states`, for graph replay); decoding token by token reproduces them."""
     lens = [4, 2, 5] if varlen else [4, 4]
     B, T = (1, sum(lens)) if varlen else (2, 4)
     q, k, v, g, beta, pool, _, _ = make_recurrent_inputs(B, T, seed=5, n_states=6)
     slots = torch.tensor([4, 1, 2][: len(lens)], device=DEVICE)
     start = pool.clone()
+    buf = torch.full((B * T, H_R, K_R, V_R), float("nan"), device=DEVICE) if buffer else None
     kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens) if varlen else None)
     o, states = fused_recurrent_kda_triton(
         q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
-        return_intermediate_states=True, **kw,
+        return_intermediate_states=True, intermediate_states=buf, **kw,
     )  # fmt: skip
     assert states.shape == (B * T, H_R, K_R, V_R)
+    if buffer:
+        assert states is buf
     flat = [t.flatten(0, 1) for t in (q, k, v, g, beta)]
     offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
     for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -438,3 +443,8 @@ def test_recurrent_bad_arguments_raise():
         fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log)
     with pytest.raises(ValueError, match="lower_bound"):
         fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=1.0)
+    buf = torch.zeros(4, H_R, K_R, V_R, device=DEVICE)
+    with pytest.raises(ValueError, match="return_intermediate_states"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, intermediate_states=buf)
+    with pytest.raises(ValueError, match="intermediate_states must have shape"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, return_intermediate_states=True, intermediate_states=buf[:3])
