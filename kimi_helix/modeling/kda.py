@@ -52,9 +52,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(p, d, bias=False)
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
-    def conv_weight(self) -> torch.Tensor:
-        """[3P, W]: q, k and v conv weights stacked, so one conv (and one conv state) serves all three."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+    def conv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k and v conv weights [P, W] (views): the conv kernels take them as the channel groups of one conv
+        over [q, k, v] (one conv state [W-1, 3P]), so no call concatenates them."""
+        return tuple(c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d].
@@ -64,39 +65,40 @@ class KimiDeltaAttention(nn.Module):
         run takes its own kernels (see `_mix`)."""
         t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
         conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        # the gate's pre-activation: the delta-rule kernels apply `kda_gate` themselves (no separate gate kernels)
+        qkv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # the conv reads the three (no concatenation)
+        # the pre-activations of the gate and of beta: the delta-rule kernels apply `kda_gate` and the sigmoid
+        # themselves (no separate gate, cast or sigmoid kernels)
         g = self.f_b_proj(self.f_a_proj(x)).view(t, h, k)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        outs = [
-            self._mix(run, qkv[run.tokens], g[run.tokens], beta[run.tokens], conv_state, state, slots[run.seqs], cache)
-            for run in batch.runs()
-        ]
+        beta = self.b_proj(x)
+        outs = [self._mix(run, qkv, g, beta, conv_state, state, slots, cache) for run in batch.runs()]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(t, h, k))
         return self.o_proj(o.reshape(t, h * k))
 
     def _mix(self, run: PhaseRun, qkv, g, beta, conv_state, state, slots, cache=None) -> torch.Tensor:
-        """Short conv and delta rule of one phase run: qkv [t, 3P], g [t, H, K], beta [t, H] -> o [t, H, V].
+        """Short conv and delta rule of one phase run, on its tokens of the batch's q, k, v projections [T, P]
+        each, g [T, H, K] and beta [T, H] (pre-activations), and its sequences' `slots` -> o [t, H, V].
 
         Decodes take the one-token conv update; verify groups and prefill chunks the varlen conv. The delta rule
         runs recurrent (token by token) for decodes and verify groups, chunked for prefill chunks. A run with
         verify groups also hands the cache (`record_verify`, engine caches only) the conv state before the run, the
         conv inputs and the recurrent state after every token, so a partial acceptance can be rolled back."""
-        t, (h, k), cu = qkv.shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
+        qkv, g, beta, slots = [z[run.tokens] for z in qkv], g[run.tokens], beta[run.tokens], slots[run.seqs]
+        t, (h, k), cu = qkv[0].shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
         record = Phase.VERIFY in run.batch.phases and hasattr(cache, "record_verify")
-        conv_before, inputs = (conv_state[slots].clone(), qkv) if record else (None, None)
+        conv_before, inputs = (conv_state[slots].clone(), torch.cat(qkv, dim=-1)) if record else (None, None)
         # a static per-layer buffer for the per-token states, so that a graph-replayed verify writes in place
         scratch = cache.verify_scratch(self.layer_idx, t) if record and hasattr(cache, "verify_scratch") else None
         if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(
-                qkv, conv_state, self.conv_weight(), state_indices=slots, backend=self.backends.kernels
+                qkv, conv_state, self.conv_weights(), state_indices=slots, backend=self.backends.kernels
             )
         else:
             qkv = causal_conv1d(
-                qkv[None], self.conv_weight(), conv_state, True, cu, state_indices=slots, backend=self.backends.kernels
-            )[0][0]
+                [z[None] for z in qkv], self.conv_weights(), conv_state, True, cu, state_indices=slots,
+                backend=self.backends.kernels,
+            )[0][0]  # fmt: skip
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         core = fused_recurrent_kda if run.decode_path else chunk_kda
         o, states = core(
@@ -113,6 +115,7 @@ class KimiDeltaAttention(nn.Module):
             A_log=self.A_log,
             dt_bias=self.dt_bias,
             lower_bound=self.gate_lower_bound,
+            use_beta_sigmoid_in_kernel=True,
             backend=self.backends.kernels,
             **({"return_intermediate_states": True, "intermediate_states": scratch} if record else {}),
         )

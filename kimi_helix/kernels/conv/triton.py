@@ -7,13 +7,15 @@ may be an engine pool ``[slots, W - 1, D]`` addressed by ``state_indices`` and i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
-from kimi_helix.kernels.conv.naive import check_weight
+from kimi_helix.kernels.conv.naive import channel_groups, check_weight, join_channels
 from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
@@ -121,39 +123,56 @@ def causal_conv1d_final_state_kernel(
 
 @triton.jit
 def causal_conv1d_update_kernel(
-    x,
-    w,
+    x0,
+    x1,
+    x2,
+    w0,
+    w1,
+    w2,
     y,
     state,
     state_indices,
-    stride_x_n,
+    stride_x0,
+    stride_x1,
+    stride_x2,
+    stride_y,
     stride_s_n,
     stride_s_w,
-    D,
+    P,
     W: tl.constexpr,
     BD: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    # Program (n, s, d): channels [d * BD, (d + 1) * BD) of channel group s (one of up to three, e.g. q, k, v, each
+    # its own input and weight tensor, so no caller has to concatenate them) of sequence n. Group s is channels
+    # [s * P, (s + 1) * P) of the state and of y.
+    i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    if i_s == 0:
+        p_x, p_w = x0 + i_n * stride_x0, w0
+    elif i_s == 1:
+        p_x, p_w = x1 + i_n * stride_x1, w1
+    else:
+        p_x, p_w = x2 + i_n * stride_x2, w2
     o_d = i_d * BD + tl.arange(0, BD)
-    mask_d = o_d < D
-    p_s = state + slot * stride_s_n + o_d
-    b_x = tl.load(x + i_n * stride_x_n + o_d, mask=mask_d, other=0.0)
-    acc = b_x.to(tl.float32) * tl.load(w + o_d * W + W - 1, mask=mask_d, other=0.0).to(tl.float32)
+    mask_d = o_d < P
+    o_c = i_s * P + o_d  # the channels in the state and in y
+    p_s = state + slot * stride_s_n + o_c
+    b_x = tl.load(p_x + o_d, mask=mask_d, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(p_w + o_d * W + W - 1, mask=mask_d, other=0.0).to(tl.float32)
     # Shift the window one step: each thread loads row j + 1 and stores it to row j of the same channels, and all
     # loads of a row precede its store in program order, so the in-place update needs no barrier.
     for j in tl.static_range(W - 1):
         b_s = tl.load(p_s + j * stride_s_w, mask=mask_d, other=0.0)
-        acc += b_s.to(tl.float32) * tl.load(w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
+        acc += b_s.to(tl.float32) * tl.load(p_w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
         if j > 0:
             tl.store(p_s + (j - 1) * stride_s_w, b_s, mask=mask_d)
     if W > 1:
         tl.store(p_s + (W - 2) * stride_s_w, b_x.to(state.dtype.element_ty), mask=mask_d)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=mask_d)
+    tl.store(y + i_n * stride_y + o_c, acc.to(y.dtype.element_ty), mask=mask_d)
 
 
 def _silu(activation: str | None) -> bool:
@@ -185,8 +204,8 @@ def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int
 
 # Twin of `naive.causal_conv1d` (same signature and contract): change them together.
 def causal_conv1d_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
+    weight: torch.Tensor | Sequence[torch.Tensor],
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
@@ -200,8 +219,9 @@ def causal_conv1d_triton(
     must be non-decreasing from 0 to ``T``; ``state_indices`` must be distinct and in range.
 
     Args:
-        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D.
-        weight: ``[D, W]``.
+        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D, or channel groups ``[B, T, D / S]`` (concatenated
+            here: a prefill reads its input once, so the copy is small beside the conv).
+        weight: ``[D, W]``, or one ``[D / S, W]`` per group of ``x``.
         initial_state: ``[N, W - 1, D]`` (N = B or the number of packed sequences), or with ``state_indices`` the
             pool ``[slots, W - 1, D]``.
         output_final_state: return the cache after each sequence's last token; with ``state_indices`` it is
@@ -213,6 +233,7 @@ def causal_conv1d_triton(
     Returns:
         ``(y [B, T, D] in x.dtype, final_state)``: ``[N, W - 1, D]`` in x.dtype, the pool, or None.
     """
+    x, weight = join_channels(x, weight)
     if x.dim() != 3:
         raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
     B, T, D = x.shape
@@ -266,9 +287,9 @@ def causal_conv1d_triton(
 
 
 def causal_conv1d_update_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
     conv_state: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     activation: str | None = "silu",
     state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -276,33 +297,47 @@ def causal_conv1d_update_triton(
     ``conv.naive.causal_conv1d_update``.
 
     Args:
-        x: ``[N, D]``, the new input of each sequence (contiguous along D).
+        x: ``[N, D]``, the new input of each sequence (contiguous along D), or up to three channel groups
+            ``[N, D / S]`` (e.g. the q, k and v projections), read in place as if concatenated along D.
         conv_state: ``[N, W - 1, D]``, or with ``state_indices`` the pool ``[slots, W - 1, D]``; updated IN PLACE
             (only the listed slots): the oldest input is dropped and ``x`` appended.
-        weight: ``[D, W]``.
+        weight: ``[D, W]``, or one ``[D / S, W]`` per group of ``x``.
         activation: ``"silu"`` (alias ``"swish"``) or None.
         state_indices: ``[N]`` int32/int64 distinct pool slots.
 
     Returns:
         ``y [N, D]`` in x.dtype.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
-    N, D = x.shape
-    W = _check_common(x, weight, D)
+    xs, ws = channel_groups(x, weight)
+    if len(xs) > 3:
+        raise ValueError(f"x may have at most 3 channel groups, got {len(xs)}")
+    if xs[0].dim() != 2:
+        raise ValueError(f"x must have shape [N, D], got {list(xs[0].shape)}")
+    N, P = xs[0].shape
+    D = P * len(xs)
+    for i, (xi, wi) in enumerate(zip(xs, ws)):
+        if xi.dtype != xs[0].dtype:
+            raise ValueError(f"the channel groups of x must share one dtype, got {xs[0].dtype} and {xi.dtype}")
+        W = _check_common(xi, wi, P)
+        if wi.shape[1] != ws[0].shape[1]:
+            raise ValueError(f"the weights of all channel groups must have one width W, got {[w.shape for w in ws]}")
+        check_device(f"x[{i}]", xi, xs[0].device, "x[0]")
     silu = _silu(activation)
+    x = xs[0]
     if state_indices is not None:
         check_index("state_indices", state_indices, N, x.device, "x")
     _check_state("conv_state", conv_state, x, W, D, None if state_indices is not None else N)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    xs = [xi if xi.stride(-1) == 1 else xi.contiguous() for xi in xs]
+    ws = [wi.contiguous() for wi in ws]
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     if N == 0:
         return y
+    pad = 3 - len(xs)  # unused group pointers repeat the first (the grid never reaches them)
     bd = 32 if interpreting() else 256
-    causal_conv1d_update_kernel[(N, cdiv(D, bd))](
-        x, weight.contiguous(), y, conv_state, state_indices, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        D, W=W, BD=bd,
+    causal_conv1d_update_kernel[(N, len(xs), cdiv(P, bd))](
+        *xs, *xs[:1] * pad, *ws, *ws[:1] * pad, y, conv_state, state_indices,
+        *(xi.stride(0) for xi in xs), *(xs[0].stride(0),) * pad, y.stride(0), conv_state.stride(0),
+        conv_state.stride(1), P, W=W, BD=bd,
         USE_STATE_INDICES=state_indices is not None,
         SILU=silu,
         num_warps=4,

@@ -129,6 +129,7 @@ def chunk_kda_triton(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward in Triton (prefill); same results as :func:`naive_chunk_kda`.
 
@@ -147,6 +148,8 @@ def chunk_kda_triton(
         state_indices: ``[N]`` int pool slot of each sequence (distinct slots); needs ``initial_state``.
         A_log: ``H`` elements; dt_bias: ``H * K`` elements; lower_bound: negative float for the bounded gate.
         chunk_size: 64 (default), 32 or 16.
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits). Its fp32 sigmoid is taken once here,
+            as the intra and WY kernels both read beta (one small elementwise kernel per prefill).
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state)``: final_state is ``[N, H, K, V]`` fp32, the pool with
@@ -172,6 +175,8 @@ def chunk_kda_triton(
         check_shape("state_indices", state_indices, (N,), "[N]")
         state_indices = state_indices.to(q.device, torch.int32)
 
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = K**-0.5 if scale is None else scale
     BK = max(16, next_pow2(K))

@@ -87,6 +87,7 @@ def fused_recurrent_kda_fwd_kernel(
     USE_QK_L2NORM: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
 ):
     # A 1-d grid (CUDA caps the other axes at 65535) with the V-blocks of one head adjacent, so neighbouring
     # programs stream neighbouring columns of the same rows of the state.
@@ -119,6 +120,8 @@ def fused_recurrent_kda_fwd_kernel(
         b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=mask_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + t * stride_g_t + i_h * stride_g_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + t * stride_b_t + i_h * stride_b_h).to(tl.float32)
+        if USE_BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
         if USE_QK_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -178,6 +181,7 @@ def fused_recurrent_kda_triton(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     intermediate_states: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA in one kernel; the contract of ``naive_recurrent_kda`` plus a state pool and a fused gate.
 
@@ -207,6 +211,8 @@ def fused_recurrent_kda_triton(
         intermediate_states: with ``return_intermediate_states``, a preallocated contiguous fp32
             ``[B * T, H, K, V]`` buffer the per-token states are written into (and which is returned), so that a
             CUDA-graph replay writes to a static address; None allocates.
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits): the kernel applies ``sigmoid`` in
+            fp32 (no separate cast and sigmoid kernels).
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state)``: ``final_state`` is ``[N, H, K, V]`` fp32 (the pool itself with
@@ -260,6 +266,7 @@ def fused_recurrent_kda_triton(
         USE_QK_L2NORM=use_qk_l2norm_in_kernel,
         GATE_IN_KERNEL=A_log is not None,
         USE_LOWER_BOUND=lower_bound is not None,
+        USE_BETA_SIGMOID=use_beta_sigmoid_in_kernel,
         num_warps=num_warps,
     )  # fmt: skip
     if return_intermediate_states:

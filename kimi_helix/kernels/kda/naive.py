@@ -171,6 +171,7 @@ def naive_recurrent_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     intermediate_states: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA reference.
 
@@ -195,6 +196,7 @@ def naive_recurrent_kda(
             ``kda_gate(g, A_log, dt_bias, lower_bound)``.
         intermediate_states: with ``return_intermediate_states``, a contiguous fp32 ``[B * T, H, K, V]`` buffer
             the per-token states are copied into and which is returned; None allocates.
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits); ``sigmoid`` is applied in fp32.
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``; with
@@ -205,6 +207,7 @@ def naive_recurrent_kda(
     check_intermediate_states(intermediate_states, return_intermediate_states, B * T, H, K, V, q.device)
     fn = partial(_recurrent_segment, keep_states=return_intermediate_states)
     g = _log_decay(g, A_log, dt_bias, lower_bound)
+    beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta
     state = gather_states(initial_state, state_indices)
     o, final, states = _run(fn, q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens)
     if output_final_state and state_indices is not None:
@@ -278,6 +281,7 @@ def naive_chunk_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked (WY / UT-transform) KDA reference; same arguments and results as :func:`naive_recurrent_kda`.
 
@@ -298,7 +302,7 @@ def naive_chunk_kda(
     Args:
         q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.  g: ``[B, T, H, K]`` log-decay.  beta: ``[B, T, H]``.
         scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_indices, A_log,
-            dt_bias, lower_bound: as in :func:`naive_recurrent_kda`.
+            dt_bias, lower_bound, use_beta_sigmoid_in_kernel: as in :func:`naive_recurrent_kda`.
         chunk_size: tokens per chunk (64 in fla).
 
     Returns:
@@ -308,6 +312,7 @@ def naive_chunk_kda(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     fn = partial(_chunk_segment, chunk_size=chunk_size)
     g = _log_decay(g, A_log, dt_bias, lower_bound)
+    beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta
     state = gather_states(initial_state, state_indices)
     o, final, _ = _run(fn, q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens)
     if output_final_state and state_indices is not None:

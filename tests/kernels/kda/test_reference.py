@@ -302,3 +302,13 @@ def test_gate_computed_from_raw_preactivation(fn, lower_bound):
     assert torch.equal(actual, expected)
     with pytest.raises(ValueError, match="A_log and dt_bias must be given together"):
         fn(q, k, v, f, beta, A_log=A_log)
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, naive_chunk_kda], ids=["recurrent", "chunk"])
+def test_beta_logits(fn):
+    """use_beta_sigmoid_in_kernel: beta's bf16 logits in, the sigmoid taken in fp32, as the model did on the host."""
+    q, k, v, g, _, _ = make_reference_inputs(2, 7, seed=15)
+    logits = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(16)).mul(3.0).bfloat16()
+    expected = fn(q, k, v, g, torch.sigmoid(logits.float()), use_qk_l2norm_in_kernel=True)[0]
+    actual = fn(q, k, v, g, logits, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)[0]
+    assert torch.equal(actual, expected)

@@ -203,6 +203,19 @@ def test_chunk_gate_in_kernel(lower_bound, chunk_size):
     assert_rel_close("final_state", s, s_r, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fn", [chunk_kda_triton, fused_recurrent_kda_triton], ids=["chunk", "recurrent"])
+def test_beta_logits(fn, dtype):
+    """use_beta_sigmoid_in_kernel: beta's logits in (in the input dtype), the fp32 sigmoid taken by the kernels."""
+    q, k, v, f, _, s0, A_log, dt_bias = make_recurrent_inputs(1, 20, seed=17, dtype=dtype, raw_gate=True)
+    logits = (torch.randn(1, 20, H_R, generator=torch.Generator().manual_seed(18)) * 3.0).to(DEVICE, dtype)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    o, s = fn(q, k, v, f, logits, use_beta_sigmoid_in_kernel=True, **kw)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, f, torch.sigmoid(logits.float()), **kw)
+    assert_rel_close("o", o, o_ref, TOL[dtype])
+    assert_rel_close("final_state", s, s_ref, 1e-5 if dtype == torch.float32 else TOL[dtype])
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.usefixtures("intra_path")
 def test_strong_gates_stay_finite(chunk_size):
