@@ -4,11 +4,16 @@ Per token: q, k, v = SiLU(short causal conv(W x)); q and k L2-normalised; a per-
 `g = -exp(A_log) * softplus(f + dt_bias)` (K3: `lb * sigmoid(exp(A_log) * (f + dt_bias))`), `beta = sigmoid(b x)`;
 the delta rule `S = (I - beta k k^T) diag(exp g) S + beta k v^T`, `o = S^T q / sqrt(K)`; then a gated RMSNorm and
 `o_proj`. State per sequence: the last `W - 1` conv inputs of q, k and v, and the fp32 recurrent state [H, K, V].
+
+On CUDA, without autograd, the projections that read the layer input (q, k, v, f_a, b and g_a or g) run as one
+GEMM: their weights become row blocks (views) of one packed weight on the first such call, so the checkpoint names
+and the memory stay as they were (see `_packed_weight`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.backends import BackendChoice
@@ -17,6 +22,22 @@ from ..kernels.kda import chunk_kda, fused_recurrent_kda
 from .batch import ForwardBatch, Phase, PhaseRun
 from .config import KimiK3Config
 from .layers import GatedRMSNorm
+
+# Devices on which the x projections run as one GEMM over a packed weight (`KimiDeltaAttention._packed_weight`).
+PACK_DEVICES = ("cuda",)
+_MAX_PACKINGS = 2  # the first, and one after a conversion (`model.to(...)`) replaced the weights
+
+
+def _row_blocks_of(packed: torch.Tensor, ws: list[torch.Tensor]) -> bool:
+    """Whether `ws` are, in order, the contiguous row blocks of `packed` that tile it (none was replaced)."""
+    start, base, size = 0, packed.data_ptr(), packed.element_size()
+    for w in ws:
+        if w.device != packed.device or w.dtype != packed.dtype or not w.is_contiguous():
+            return False
+        if w.dim() != 2 or w.shape[1] != packed.shape[1] or w.data_ptr() != base + start * size:
+            return False
+        start += w.numel()
+    return start == packed.numel()
 
 
 class KimiDeltaAttention(nn.Module):
@@ -51,11 +72,49 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(k, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(p, d, bias=False)
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
+        self._packed: torch.Tensor | None = None  # the x projections' one weight, see `_packed_weight`
+        self._packings = 0
 
     def conv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v conv weights [P, W] (views): the conv kernels take them as the channel groups of one conv
         over [q, k, v] (one conv state [W-1, 3P]), so no call concatenates them."""
         return tuple(c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))
+
+    def _x_linears(self) -> list[nn.Linear]:
+        """The projections that read the layer input x, in their order in the packed weight."""
+        gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
+
+    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """One weight [sum of outputs, d] whose row blocks the x projections' weights are views of, packed on the
+        first call that can use it; None where the separate GEMMs run instead: off `PACK_DEVICES` (the packing
+        only saves launches, and safetensors refuses to save CPU tensors that share storage), when autograd is on
+        for the weights, or once the weights were replaced again after a repacking (a hook that swaps them on
+        every call, as accelerate's offloading does, would otherwise keep a packed copy alive)."""
+        ws = [lin.weight for lin in self._x_linears()]
+        if x.device.type not in PACK_DEVICES or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
+            return None
+        if self._packed is not None and _row_blocks_of(self._packed, ws):
+            return self._packed
+        self._packed = None
+        if self._packings == _MAX_PACKINGS or any(w.device != x.device or w.dtype != ws[0].dtype for w in ws):
+            return None
+        with torch.no_grad(), torch.inference_mode(False):
+            packed = torch.cat([w.detach() for w in ws])
+            start = 0
+            for w in ws:  # the same Parameter objects, now views: in-place updates (loading, optimisers) reach it
+                w.data = packed[start : start + w.shape[0]]
+                start += w.shape[0]
+        self._packed, self._packings = packed, self._packings + 1
+        return packed
+
+    def _x_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """q, k, v [T, P], f_a [T, K], b [T, H], g_a [T, K] (or g [T, P]): one GEMM where `_packed_weight` allows."""
+        linears = self._x_linears()
+        packed = self._packed_weight(x)
+        if packed is None:
+            return [lin(x) for lin in linears]
+        return list(F.linear(x, packed).split([lin.weight.shape[0] for lin in linears], dim=-1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d].
@@ -65,14 +124,13 @@ class KimiDeltaAttention(nn.Module):
         run takes its own kernels (see `_mix`)."""
         t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
         conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
-        qkv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # the conv reads the three (no concatenation)
+        q, k_, v, f_a, beta, gate = self._x_projections(x)
         # the pre-activations of the gate and of beta: the delta-rule kernels apply `kda_gate` and the sigmoid
-        # themselves (no separate gate, cast or sigmoid kernels)
-        g = self.f_b_proj(self.f_a_proj(x)).view(t, h, k)
-        beta = self.b_proj(x)
-        outs = [self._mix(run, qkv, g, beta, conv_state, state, slots, cache) for run in batch.runs()]
+        # themselves (no separate gate, cast or sigmoid kernels); the conv reads q, k, v as they are (no cat)
+        g = self.f_b_proj(f_a).view(t, h, k)
+        outs = [self._mix(run, (q, k_, v), g, beta, conv_state, state, slots, cache) for run in batch.runs()]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        gate = self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        gate = gate if self.use_full_rank_gate else self.g_b_proj(gate)
         o = self.o_norm(o, gate.view(t, h, k))
         return self.o_proj(o.reshape(t, h * k))
 
