@@ -159,24 +159,13 @@ class KimiDeltaAttention(nn.Module):
             )[0][0]  # fmt: skip
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         core = fused_recurrent_kda if run.decode_path else chunk_kda
+        gate = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound)
+        verify = dict(return_intermediate_states=True, intermediate_states=scratch) if record else {}
         o, states = core(
-            q,
-            k_,
-            v,
-            g[None],
-            beta[None],
-            initial_state=state,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu,
-            state_indices=slots,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
-            lower_bound=self.gate_lower_bound,
-            use_beta_sigmoid_in_kernel=True,
-            backend=self.backends.kernels,
-            **({"return_intermediate_states": True, "intermediate_states": scratch} if record else {}),
-        )
+            q, k_, v, g[None], beta[None], initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu, state_indices=slots, use_beta_sigmoid_in_kernel=True, backend=self.backends.kernels,
+            **gate, **verify,
+        )  # fmt: skip
         if record:
             cache.record_verify(self.layer_idx, run, conv_before, inputs, states)
         return o[0]

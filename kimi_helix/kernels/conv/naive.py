@@ -73,7 +73,7 @@ def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     return y, xs
 
 
-# Twin of `triton.causal_conv1d_triton` (same signature and contract): change them together.
+# twin of conv/triton.py:causal_conv1d_triton (same signature and contract) — a fix here belongs there too
 def causal_conv1d(
     x: torch.Tensor | Sequence[torch.Tensor],
     weight: torch.Tensor | Sequence[torch.Tensor],
@@ -140,7 +140,7 @@ def causal_conv1d(
     return y, finals.to(x.dtype)
 
 
-# Twin of `triton.causal_conv1d_update_triton` (same signature and contract): change them together.
+# twin of conv/triton.py:causal_conv1d_update_triton (same signature and contract) — a fix here belongs there too
 def causal_conv1d_update(
     x: torch.Tensor | Sequence[torch.Tensor],
     conv_state: torch.Tensor,

@@ -112,7 +112,8 @@ def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
     return BV
 
 
-# Twin of `naive.naive_chunk_kda` (same signature and contract): an argument added to one goes into the other.
+# twin of kda/naive.py:naive_chunk_kda (same signature and contract; the arguments of fused_recurrent_kda_triton
+# less the verify ones) — a fix here belongs there too
 def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,8 +207,8 @@ def chunk_kda_triton(
         gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
         kda_chunk_gate_kernel[(NT, H)](
             g, G, route, *gate_args, cu, chunk_indices, lower_bound or 0.0,
-            H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE=A_log is not None,
-            LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
+            H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE_IN_KERNEL=A_log is not None,
+            USE_LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
         )  # fmt: skip
         common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm_in_kernel, DOT_PRECISION=dot_prec)
         args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.kda.jit import load_state, state_tile
 from kimi_helix.kernels.sequences import sequence_span
 
 
@@ -78,16 +79,8 @@ def kda_chunk_state_kernel(
     o += bos * (H * V) + i_h * V
 
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    offs_kv = o_k[:, None] * V + o_v[None, :]
-
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        b_S = tl.load(h0 + (slot * H + i_h) * (K * V) + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
+    o_k, o_v, m_k, m_v, m_kv, offs_kv = state_tile(i_v, K, V, BK, BV)
+    b_S = load_state(h0, slot, i_h, offs_kv, m_kv, H, K, V, BK, BV, USE_INITIAL_STATE)
 
     h += (boh * H + i_h) * (K * V)
     # G's last row and the rows' scale/|q| feed no dot, so Triton's pipeliner leaves their loads inside the

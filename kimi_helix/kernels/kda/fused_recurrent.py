@@ -24,6 +24,7 @@ from kimi_helix.kernels.kda.common import (
     check_kda_inputs,
     check_state,
 )
+from kimi_helix.kernels.kda.jit import load_state, log_decay, state_tile
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
 
@@ -34,16 +35,6 @@ __all__ = ["CAPS", "fused_recurrent_kda_triton"]
 CAPS = OpCaps(triton_devices(), FLOATS, head_dims=(16, 256))
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _softplus(x):
-    """softplus with torch's threshold 20; log1p(e) as log(u) * e / (u - 1) cancels the rounding of u = 1 + e."""
-    e = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + e
-    d = u - 1.0
-    lp = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
-    return tl.where(x > 20.0, x, lp)
 
 
 @triton.jit
@@ -99,17 +90,8 @@ def fused_recurrent_kda_fwd_kernel(
     i_h = i_nh % H
     bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k = o_k < K
-    mask_v = o_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
-
-    if USE_INITIAL_STATE:
-        b_h = tl.load(h0 + (slot * H + i_h) * (K * V) + off_kv, mask=mask_kv, other=0.0).to(tl.float32)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, o_v, mask_k, mask_v, mask_kv, off_kv = state_tile(i_v, K, V, BK, BV)
+    b_h = load_state(h0, slot, i_h, off_kv, mask_kv, H, K, V, BK, BV, USE_INITIAL_STATE)
     if GATE_IN_KERNEL:
         b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         b_bias = tl.load(dt_bias + i_h * K + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -127,8 +109,7 @@ def fused_recurrent_kda_fwd_kernel(
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_q = b_q * scale
         if GATE_IN_KERNEL:
-            b_x = b_g + b_bias
-            b_g = lower_bound * tl.sigmoid(b_rate * b_x) if USE_LOWER_BOUND else -b_rate * _softplus(b_x)
+            b_g = log_decay(b_g + b_bias, b_rate, lower_bound, USE_LOWER_BOUND)
 
         b_h *= tl.exp(b_g)[:, None]
         # delta rule: store beta * (v - S^T k), the prediction error of the decayed memory for this key
@@ -163,7 +144,8 @@ def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, i
     return x, x.stride(0), x.stride(1)
 
 
-# Twin of `naive.naive_recurrent_kda` (same signature and contract, plus the state pool and the in-kernel gate).
+# twin of kda/naive.py:naive_recurrent_kda (same signature and contract; chunk.py:chunk_kda_triton shares the
+# arguments but the verify ones) — a fix here belongs there too
 def fused_recurrent_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -153,7 +153,8 @@ def _recurrent_segment(q, k, v, g, beta, S, keep_states):
     return o, S, states
 
 
-# Same signature as `naive_chunk_kda` and the Triton twin `fused_recurrent.fused_recurrent_kda_triton`.
+# twin of kda/fused_recurrent.py:fused_recurrent_kda_triton (same signature and contract; naive_chunk_kda shares
+# the arguments but the verify ones) — a fix here belongs there too
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -264,7 +265,8 @@ def _chunk_segment(q, k, v, g, beta, S, chunk_size):
     return o.transpose(1, 2), S, None
 
 
-# Same signature as `naive_recurrent_kda` and the Triton twin `chunk.chunk_kda_triton`: change them together.
+# twin of kda/chunk.py:chunk_kda_triton (same signature and contract; naive_recurrent_kda shares the arguments)
+# — a fix here belongs there too
 def naive_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
