@@ -84,8 +84,7 @@ def kda_chunk_state_kernel(
 
     h += (boh * H + i_h) * (K * V)
     # G's last row and the rows' scale/|q| feed no dot, so Triton's pipeliner leaves their loads inside the
-    # iteration, which then waits for them (ncu: the exp2 of G's row held 15% of the pass's stall samples): both
-    # are loaded a chunk ahead instead.
+    # iteration, which then waits for them: both are loaded a chunk ahead instead.
     b_glast = _last_decay(G, T, o_k, m_k, H, K, BT)
     b_rq = tl.zeros([BT], dtype=tl.float32)
     if FUSE_OUTPUT:
@@ -93,7 +92,7 @@ def kda_chunk_state_kernel(
     for i_t in range(tl.cdiv(T, BT)):
         # the per-token pointers point at the current chunk (advanced below), so in-chunk offsets stay small. The
         # tile offsets are written out at each use, not hoisted into loop-invariant tensors: held across the loop
-        # those spilled (1120 bytes a thread at BV=64 with 8 warps under Triton 3.6 for sm_90; none or few this way).
+        # those spilled registers.
         n_next = T - (i_t + 1) * BT  # rows of the next chunk, <= 0 after the last
         b_glast_next = _last_decay(G + BT * (H * K), n_next, o_k, m_k, H, K, BT)
         b_rq_next = b_rq

@@ -126,12 +126,26 @@ def fused_recurrent_kda_fwd_kernel(
 
 def _config(N: int, H: int, V: int) -> tuple[int, int]:
     """(BV, num_warps). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences BV drops to 16 so
-    that more programs, hence more state loads, are in flight. On an H200 this reaches 3.66 TB/s of state traffic at
-    N=256 (86% of a copy); `scripts/bench_kda.py --phase decode --sweep` times the alternatives."""
+    that more programs, hence more state loads, are in flight (docs/benchmarks.md, KDA decode, has what this gives;
+    `scripts/bench_kda.py --phase decode --sweep` times the alternatives)."""
     bv = min(next_pow2(V), 32)
     if N * H * cdiv(V, bv) < 1024:
         bv = min(bv, 16)
     return bv, 4
+
+
+def _check_inputs(q, k, v, g, beta, cu_seqlens) -> int:
+    """Dtypes and devices of the inputs and the packed boundaries; returns N, the number of sequences."""
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype must be fp32, fp16 or bf16, got {t.dtype}")
+        check_device(name, t, q.device)
+    check_triton_device("q", q)
+    if cu_seqlens is None:
+        return q.shape[0]
+    N = check_cu_seqlens(cu_seqlens, q.shape[0])
+    check_device("cu_seqlens", cu_seqlens, q.device)
+    return N
 
 
 def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, int, int]:
@@ -202,15 +216,7 @@ def fused_recurrent_kda_triton(
         token order.
     """
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} dtype must be fp32, fp16 or bf16, got {t.dtype}")
-        check_device(name, t, q.device)
-    check_triton_device("q", q)
-    N = B
-    if cu_seqlens is not None:
-        N = check_cu_seqlens(cu_seqlens, B)
-        check_device("cu_seqlens", cu_seqlens, q.device)
+    N = _check_inputs(q, k, v, g, beta, cu_seqlens)
     check_gate_args(A_log, dt_bias, lower_bound, H, K)
     if A_log is not None:
         A_log, dt_bias = A_log.reshape(H).contiguous(), dt_bias.reshape(H * K).contiguous()
