@@ -89,8 +89,9 @@ class KimiDeltaAttention(nn.Module):
         """One weight [sum of outputs, d] whose row blocks the x projections' weights are views of, packed on the
         first call that can use it; None where the separate GEMMs run instead: off `PACK_DEVICES` (the packing
         only saves launches, and safetensors refuses to save CPU tensors that share storage), when autograd is on
-        for the weights, or once the weights were replaced again after a repacking (a hook that swaps them on
-        every call, as accelerate's offloading does, would otherwise keep a packed copy alive)."""
+        for the weights, during a CUDA-graph capture that finds nothing packed, or once the weights were replaced
+        again after a repacking (a hook that swaps them on every call, as accelerate's offloading does, would
+        otherwise keep a packed copy alive)."""
         ws = [lin.weight for lin in self._x_linears()]
         if x.device.type not in PACK_DEVICES or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
             return None
@@ -99,6 +100,8 @@ class KimiDeltaAttention(nn.Module):
         self._packed = None
         if self._packings == _MAX_PACKINGS or any(w.device != x.device or w.dtype != ws[0].dtype for w in ws):
             return None
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # a graph would replay the packing copy from the freed weights: pack in the warm-up instead
         with torch.no_grad(), torch.inference_mode(False):
             packed = torch.cat([w.detach() for w in ws])
             start = 0
