@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
-from kimi_helix.kernels.conv.naive import channel_groups, check_weight, join_channels
+from kimi_helix.kernels.conv.naive import channel_groups, check_weight
 from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
@@ -29,20 +29,39 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _group(i_s, x0, x1, x2, w0, w1, w2, stride_x0, stride_x1, stride_x2):
+    """Input, weight and input row stride of channel group i_s (up to three, e.g. q, k, v: each its own tensor, so
+    no caller concatenates them); group i_s is channels [i_s * P, (i_s + 1) * P) of the state and of y."""
+    if i_s == 0:
+        return x0, w0, stride_x0
+    elif i_s == 1:
+        return x1, w1, stride_x1
+    else:
+        return x2, w2, stride_x2
+
+
+@triton.jit
 def causal_conv1d_fwd_kernel(
-    x,
-    w,
+    x0,
+    x1,
+    x2,
+    w0,
+    w1,
+    w2,
     y,
     h0,
     cu_seqlens,
     seq_ids,
     state_indices,
-    stride_x_t,
+    stride_x0,
+    stride_x1,
+    stride_x2,
+    stride_y,
     stride_h0_n,
     stride_h0_w,
     total_t,
     T,
-    D,
+    P,
     W: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
@@ -51,13 +70,15 @@ def causal_conv1d_fwd_kernel(
     USE_STATE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    # One [BT tokens, BD channels] tile of the packed input. A tap that reaches before its token's sequence start
-    # reads the sequence's cache instead (or zero), so sequences never see each other's inputs.
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    # One [BT tokens, BD channels] tile of channel group i_s of the packed input. A tap that reaches before its
+    # token's sequence start reads the sequence's cache instead (or zero), so sequences never see each other's inputs.
+    i_t, i_s, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x, w, stride_x_t = _group(i_s, x0, x1, x2, w0, w1, w2, stride_x0, stride_x1, stride_x2)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
+    o_c = i_s * P + o_d  # the channels in the cache and in y
     mask_t = o_t < total_t
-    mask_d = o_d < D
+    mask_d = o_d < P
     if IS_VARLEN:
         i_n = tl.load(seq_ids + o_t, mask=mask_t, other=0).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n, mask=mask_t, other=0).to(tl.int64)
@@ -75,29 +96,34 @@ def causal_conv1d_fwd_kernel(
         b_x = tl.load(x + src[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
         b_x = b_x.to(tl.float32)
         if USE_INITIAL_STATE:
-            p_h = h0 + slot[:, None] * stride_h0_n + (src - bos + W - 1)[:, None] * stride_h0_w + o_d[None, :]
+            p_h = h0 + slot[:, None] * stride_h0_n + (src - bos + W - 1)[:, None] * stride_h0_w + o_c[None, :]
             b_x += tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(tl.float32)
         b_w = tl.load(w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
         acc += b_x * b_w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y + o_t[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+    p_y = y + o_t[:, None] * stride_y + o_c[None, :]
+    tl.store(p_y, acc.to(y.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def causal_conv1d_final_state_kernel(
-    x,
+    x0,
+    x1,
+    x2,
     h0,
     ht,
     cu_seqlens,
     state_indices,
-    stride_x_t,
+    stride_x0,
+    stride_x1,
+    stride_x2,
     stride_h0_n,
     stride_h0_w,
     stride_ht_n,
     stride_ht_w,
     T,
-    D,
+    P,
     W: tl.constexpr,
     BW: tl.constexpr,
     BD: tl.constexpr,
@@ -107,18 +133,20 @@ def causal_conv1d_final_state_kernel(
 ):
     # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
     # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free.
-    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    x, _, stride_x_t = _group(i_s, x0, x1, x2, x0, x1, x2, stride_x0, stride_x1, stride_x2)
     bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
     o_w = tl.arange(0, BW)
     o_d = i_d * BD + tl.arange(0, BD)
-    m = (o_w < W - 1)[:, None] & (o_d < D)[None, :]
+    o_c = i_s * P + o_d  # the channels in the caches
+    m = (o_w < W - 1)[:, None] & (o_d < P)[None, :]
     pos = eos - (W - 1) + o_w
     in_seq = pos >= bos
     b_s = tl.load(x + pos[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
     if USE_INITIAL_STATE:
-        p_h = h0 + slot * stride_h0_n + (pos - bos + W - 1)[:, None] * stride_h0_w + o_d[None, :]
+        p_h = h0 + slot * stride_h0_n + (pos - bos + W - 1)[:, None] * stride_h0_w + o_c[None, :]
         b_s = tl.where(in_seq[:, None], b_s, tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(b_s.dtype))
-    tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_d[None, :], b_s.to(ht.dtype.element_ty), mask=m)
+    tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_c[None, :], b_s.to(ht.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -144,17 +172,11 @@ def causal_conv1d_update_kernel(
     USE_STATE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    # Program (n, s, d): channels [d * BD, (d + 1) * BD) of channel group s (one of up to three, e.g. q, k, v, each
-    # its own input and weight tensor, so no caller has to concatenate them) of sequence n. Group s is channels
-    # [s * P, (s + 1) * P) of the state and of y.
+    # Program (n, s, d): channels [d * BD, (d + 1) * BD) of channel group s (see `_group`) of sequence n.
     i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
-    if i_s == 0:
-        p_x, p_w = x0 + i_n * stride_x0, w0
-    elif i_s == 1:
-        p_x, p_w = x1 + i_n * stride_x1, w1
-    else:
-        p_x, p_w = x2 + i_n * stride_x2, w2
+    p_x, p_w, stride_x = _group(i_s, x0, x1, x2, w0, w1, w2, stride_x0, stride_x1, stride_x2)
+    p_x += i_n * stride_x
     o_d = i_d * BD + tl.arange(0, BD)
     mask_d = o_d < P
     o_c = i_s * P + o_d  # the channels in the state and in y
@@ -202,6 +224,32 @@ def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int
         raise ValueError(f"{name} must be contiguous along D (it is read and written in place)")
 
 
+def _channel_groups(x, weight, shape: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """x's channel groups as token rows [tokens, P] (unit stride along P), their weights [P, W] (contiguous) and W;
+    ``shape`` names x's layout (``"[N, D]"`` or ``"[B, T, D]"``)."""
+    xs, ws = channel_groups(x, weight)
+    if len(xs) > 3:
+        raise ValueError(f"x may have at most 3 channel groups, got {len(xs)}")
+    if xs[0].dim() != shape.count(",") + 1:
+        raise ValueError(f"x must have shape {shape}, got {list(xs[0].shape)}")
+    P = xs[0].shape[-1]
+    for i, (xi, wi) in enumerate(zip(xs, ws)):
+        if xi.dtype != xs[0].dtype:
+            raise ValueError(f"the channel groups of x must share one dtype, got {xs[0].dtype} and {xi.dtype}")
+        W = _check_common(xi, wi, P)
+        if wi.shape[1] != ws[0].shape[1]:
+            raise ValueError(f"the weights of all channel groups must have one width W, got {[w.shape for w in ws]}")
+        check_device(f"x[{i}]", xi, xs[0].device, "x[0]")
+    rows = [xi.flatten(0, -2) for xi in xs]
+    return [r if r.stride(-1) == 1 else r.contiguous() for r in rows], [wi.contiguous() for wi in ws], W
+
+
+def _padded(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> tuple[list, list, list[int]]:
+    """The kernels' three group pointers (the unused repeat the first: the grid never reaches them) and strides."""
+    pad = 3 - len(xs)
+    return xs + xs[:1] * pad, ws + ws[:1] * pad, [xi.stride(0) for xi in xs] + [xs[0].stride(0)] * pad
+
+
 # twin of conv/naive.py:causal_conv1d (same signature and contract) — a fix here belongs there too
 def causal_conv1d_triton(
     x: torch.Tensor | Sequence[torch.Tensor],
@@ -219,8 +267,8 @@ def causal_conv1d_triton(
     must be non-decreasing from 0 to ``T``; ``state_indices`` must be distinct and in range.
 
     Args:
-        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D, or channel groups ``[B, T, D / S]`` (concatenated
-            here: a prefill reads its input once, so the copy is small beside the conv).
+        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D, or up to three channel groups ``[B, T, D / S]`` (e.g.
+            the q, k and v projections), read in place as if concatenated along D.
         weight: ``[D, W]``, or one ``[D / S, W]`` per group of ``x``.
         initial_state: ``[N, W - 1, D]`` (N = B or the number of packed sequences), or with ``state_indices`` the
             pool ``[slots, W - 1, D]``.
@@ -233,11 +281,10 @@ def causal_conv1d_triton(
     Returns:
         ``(y [B, T, D] in x.dtype, final_state)``: ``[N, W - 1, D]`` in x.dtype, the pool, or None.
     """
-    x, weight = join_channels(x, weight)
-    if x.dim() != 3:
-        raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
-    B, T, D = x.shape
-    W = _check_common(x, weight, D)
+    xs, ws, W = _channel_groups(x, weight, "[B, T, D]")
+    x = x if isinstance(x, torch.Tensor) else x[0]
+    B, T, P = x.shape
+    D = P * len(xs)
     silu = _silu(activation)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, "x [1, total_T, D]")
     if state_indices is not None:
@@ -247,10 +294,7 @@ def causal_conv1d_triton(
     if initial_state is not None:
         _check_state("initial_state", initial_state, x, W, D, None if state_indices is not None else N)
 
-    xf = x.flatten(0, 1)
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    weight = weight.contiguous()
+    x3, w3, strides = _padded(xs, ws)
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     h0_strides = (initial_state.stride(0), initial_state.stride(1)) if initial_state is not None else (0, 0)
     seq_ids = None
@@ -260,10 +304,10 @@ def causal_conv1d_triton(
         seq_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
     bt, bd = (16, 32) if interpreting() else (32, 128)
     if B * T > 0:
-        grid = (cdiv(B * T, bt), cdiv(D, bd))
+        grid = (cdiv(B * T, bt), len(xs), cdiv(P, bd))
         causal_conv1d_fwd_kernel[grid](
-            xf, weight, y, initial_state, cu_seqlens, seq_ids, state_indices, xf.stride(0), *h0_strides,
-            B * T, T, D, W=W, BT=bt, BD=bd,
+            *x3, *w3, y, initial_state, cu_seqlens, seq_ids, state_indices, *strides, D, *h0_strides,
+            B * T, T, P, W=W, BT=bt, BD=bd,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             USE_STATE_INDICES=state_indices is not None,
@@ -274,9 +318,9 @@ def causal_conv1d_triton(
         return y, None
     final = initial_state if state_indices is not None else torch.empty(N, W - 1, D, dtype=x.dtype, device=x.device)
     if W > 1:
-        causal_conv1d_final_state_kernel[(N, cdiv(D, bd))](
-            xf, initial_state, final, cu_seqlens, state_indices, xf.stride(0), *h0_strides,
-            final.stride(0), final.stride(1), T, D,
+        causal_conv1d_final_state_kernel[(N, len(xs), cdiv(P, bd))](
+            *x3, initial_state, final, cu_seqlens, state_indices, *strides, *h0_strides,
+            final.stride(0), final.stride(1), T, P,
             W=W, BW=next_pow2(W - 1), BD=bd,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
@@ -309,36 +353,22 @@ def causal_conv1d_update_triton(
     Returns:
         ``y [N, D]`` in x.dtype.
     """
-    xs, ws = channel_groups(x, weight)
-    if len(xs) > 3:
-        raise ValueError(f"x may have at most 3 channel groups, got {len(xs)}")
-    if xs[0].dim() != 2:
-        raise ValueError(f"x must have shape [N, D], got {list(xs[0].shape)}")
+    xs, ws, W = _channel_groups(x, weight, "[N, D]")
     N, P = xs[0].shape
     D = P * len(xs)
-    for i, (xi, wi) in enumerate(zip(xs, ws)):
-        if xi.dtype != xs[0].dtype:
-            raise ValueError(f"the channel groups of x must share one dtype, got {xs[0].dtype} and {xi.dtype}")
-        W = _check_common(xi, wi, P)
-        if wi.shape[1] != ws[0].shape[1]:
-            raise ValueError(f"the weights of all channel groups must have one width W, got {[w.shape for w in ws]}")
-        check_device(f"x[{i}]", xi, xs[0].device, "x[0]")
     silu = _silu(activation)
     x = xs[0]
     if state_indices is not None:
         check_index("state_indices", state_indices, N, x.device, "x")
     _check_state("conv_state", conv_state, x, W, D, None if state_indices is not None else N)
-    xs = [xi if xi.stride(-1) == 1 else xi.contiguous() for xi in xs]
-    ws = [wi.contiguous() for wi in ws]
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     if N == 0:
         return y
-    pad = 3 - len(xs)  # unused group pointers repeat the first (the grid never reaches them)
     bd = 32 if interpreting() else 256
+    x3, w3, strides = _padded(xs, ws)
     causal_conv1d_update_kernel[(N, len(xs), cdiv(P, bd))](
-        *xs, *xs[:1] * pad, *ws, *ws[:1] * pad, y, conv_state, state_indices,
-        *(xi.stride(0) for xi in xs), *(xs[0].stride(0),) * pad, y.stride(0), conv_state.stride(0),
-        conv_state.stride(1), P, W=W, BD=bd,
+        *x3, *w3, y, conv_state, state_indices, *strides, y.stride(0), conv_state.stride(0), conv_state.stride(1), P,
+        W=W, BD=bd,
         USE_STATE_INDICES=state_indices is not None,
         SILU=silu,
         num_warps=4,

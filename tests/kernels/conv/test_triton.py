@@ -113,12 +113,24 @@ def test_update_channel_groups_equal_concatenation(groups, pooled):
     assert torch.equal(y_naive, y_ref)
 
 
-def test_prefill_channel_groups_equal_concatenation():
-    xs, ws = [rnd(2, 7, D, seed=40 + i) for i in range(3)], [rnd(D, W, seed=43 + i) for i in range(3)]
-    y, s = causal_conv1d_triton(xs, ws, output_final_state=True)
-    y_ref, s_ref = causal_conv1d(torch.cat(xs, -1), torch.cat(ws), output_final_state=True)
+@pytest.mark.parametrize("pooled", [False, True], ids=["batch", "varlen_pool"])
+def test_prefill_channel_groups_equal_concatenation(pooled):
+    """q, k, v as channel groups (strided slices) of a prefill or verify conv: the conv of their concatenation,
+    the cache of the concatenated channels."""
+    B, T = (1, sum(LENS)) if pooled else (2, 7)
+    wide = rnd(B, T, 3, D + 8, seed=40)
+    xs, ws = [wide[:, :, i, :D] for i in range(3)], [rnd(D, W, seed=43 + i) for i in range(3)]
+    slots = torch.tensor([7, 0, 3, 5, 1, 2], device=DEVICE) if pooled else None
+    pool = rnd(8, W - 1, 3 * D, seed=46) if pooled else None
+    before = pool.clone() if pooled else None
+    kw = dict(output_final_state=True, cu_seqlens=cu(LENS) if pooled else None)
+    y, s = causal_conv1d_triton(xs, ws, initial_state=pool, state_indices=slots, **kw)
+    x_cat, w_cat = torch.cat(xs, -1), torch.cat(ws)
+    y_ref, s_ref = causal_conv1d(x_cat, w_cat, initial_state=before[slots] if pooled else None, **kw)
     assert_rel_close("y", y, y_ref, 1e-5)
-    assert torch.equal(s, s_ref)
+    assert torch.equal(s[slots] if pooled else s, s_ref)
+    if pooled:
+        assert torch.equal(pool[[4, 6]], before[[4, 6]])
 
 
 def test_prefill_then_decode():
