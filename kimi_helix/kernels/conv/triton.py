@@ -150,28 +150,9 @@ def causal_conv1d_final_state_kernel(
 
 
 @triton.jit
-def causal_conv1d_update_kernel(
-    x0,
-    x1,
-    x2,
-    w0,
-    w1,
-    w2,
-    y,
-    state,
-    state_indices,
-    stride_x0,
-    stride_x1,
-    stride_x2,
-    stride_y,
-    stride_s_n,
-    stride_s_w,
-    P,
-    W: tl.constexpr,
-    BD: tl.constexpr,
-    USE_STATE_INDICES: tl.constexpr,
-    SILU: tl.constexpr,
-):
+def causal_conv1d_update_kernel(x0, x1, x2, w0, w1, w2, y, state, state_indices, stride_x0, stride_x1, stride_x2,
+                                stride_y, stride_s_n, stride_s_w, P, W: tl.constexpr, BD: tl.constexpr,
+                                USE_STATE_INDICES: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
     # Program (n, s, d): channels [d * BD, (d + 1) * BD) of channel group s (see `_group`) of sequence n.
     i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
