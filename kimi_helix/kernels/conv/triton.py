@@ -51,7 +51,6 @@ def causal_conv1d_fwd_kernel(
     y,
     h0,
     cu_seqlens,
-    seq_ids,
     state_indices,
     stride_x0,
     stride_x1,
@@ -61,10 +60,12 @@ def causal_conv1d_fwd_kernel(
     stride_h0_w,
     total_t,
     T,
+    N,
     P,
     W: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
+    LOG_N: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
@@ -80,7 +81,13 @@ def causal_conv1d_fwd_kernel(
     mask_t = o_t < total_t
     mask_d = o_d < P
     if IS_VARLEN:
-        i_n = tl.load(seq_ids + o_t, mask=mask_t, other=0).to(tl.int64)
+        # each token's sequence: the number of sequence ends cu_seqlens[1:] at or before it, by a binary search
+        # over them (LOG_N = N.bit_length() halvings; no host-side search, no extra kernel)
+        i_n = tl.zeros([BT], dtype=tl.int64)
+        for j in tl.static_range(LOG_N):
+            cand = i_n + (1 << (LOG_N - 1 - j))
+            end = tl.load(cu_seqlens + cand, mask=mask_t & (cand <= N), other=0).to(tl.int64)
+            i_n = tl.where((cand <= N) & (end <= o_t), cand, i_n)
         bos = tl.load(cu_seqlens + i_n, mask=mask_t, other=0).to(tl.int64)
     else:
         i_n = o_t // T
@@ -278,17 +285,12 @@ def causal_conv1d_triton(
     x3, w3, strides = _padded(xs, ws)
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     h0_strides = (initial_state.stride(0), initial_state.stride(1)) if initial_state is not None else (0, 0)
-    seq_ids = None
-    if cu_seqlens is not None:
-        # token -> sequence without a host sync; the first boundary (0) is dropped so the search counts ends passed
-        tokens = torch.arange(B * T, device=x.device, dtype=cu_seqlens.dtype)
-        seq_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
     bt, bd = (16, 32) if interpreting() else (32, 128)
     if B * T > 0:
         grid = (cdiv(B * T, bt), len(xs), cdiv(P, bd))
         causal_conv1d_fwd_kernel[grid](
-            *x3, *w3, y, initial_state, cu_seqlens, seq_ids, state_indices, *strides, D, *h0_strides,
-            B * T, T, P, W=W, BT=bt, BD=bd,
+            *x3, *w3, y, initial_state, cu_seqlens, state_indices, *strides, D, *h0_strides,
+            B * T, T, N, P, W=W, BT=bt, BD=bd, LOG_N=N.bit_length() if cu_seqlens is not None else 0,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             USE_STATE_INDICES=state_indices is not None,
