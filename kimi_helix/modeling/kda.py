@@ -40,6 +40,13 @@ def _row_blocks_of(packed: torch.Tensor, ws: list[torch.Tensor]) -> bool:
     return start == packed.numel()
 
 
+def _plain_linear(lin: nn.Module, x: torch.Tensor) -> bool:
+    """Whether one GEMM with `lin`'s weight computes `lin(x)`: a bias-free `nn.Linear` (not a subclass or a
+    wrapper), no forward hooks (accelerate's included), its weight on x's device."""
+    hooked = lin._forward_hooks or lin._forward_pre_hooks or hasattr(lin, "_hf_hook")
+    return type(lin) is nn.Linear and lin.bias is None and not hooked and lin.weight.device == x.device
+
+
 class KimiDeltaAttention(nn.Module):
     """KDA layer (`self_attn` of a linear-attention layer). Tensor names follow Kimi-Linear checkpoints."""
 
@@ -74,6 +81,7 @@ class KimiDeltaAttention(nn.Module):
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
         self._packed: torch.Tensor | None = None  # the x projections' one weight, see `_packed_weight`
         self._packings = 0
+        self._packed_key: list = []  # (module id, data_ptr, dtype, shape) of each x projection when packed
 
     def conv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v conv weights [P, W] (views): the conv kernels take them as the channel groups of one conv
@@ -81,9 +89,11 @@ class KimiDeltaAttention(nn.Module):
         return tuple(c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))
 
     def _x_linears(self) -> list[nn.Linear]:
-        """The projections that read the layer input x, in their order in the packed weight."""
-        gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
-        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
+        """The projections that read the layer input x, in their order in the packed weight (read from `_modules`
+        directly: this runs every call, and a submodule attribute goes through `nn.Module.__getattr__`)."""
+        m = self._modules
+        gate = m["g_proj"] if self.use_full_rank_gate else m["g_a_proj"]
+        return [m["q_proj"], m["k_proj"], m["v_proj"], m["f_a_proj"], m["b_proj"], gate]
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """One weight [sum of outputs, d] whose row blocks the x projections' weights are views of, packed on the
@@ -92,13 +102,18 @@ class KimiDeltaAttention(nn.Module):
         for the weights, during a CUDA-graph capture that finds nothing packed, or once the weights were replaced
         again after a repacking (a hook that swaps them on every call, as accelerate's offloading does, would
         otherwise keep a packed copy alive)."""
-        ws = [lin.weight for lin in self._x_linears()]
+        linears = self._x_linears()
+        ws = [lin._parameters["weight"] for lin in linears]
         if x.device.type not in PACK_DEVICES or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
             return None
-        if self._packed is not None and _row_blocks_of(self._packed, ws):
+        # the same modules, and weights of the same storage, dtype and shape as when packed
+        key = [(id(lin), w.data_ptr(), w.dtype, w.shape) for lin, w in zip(linears, ws)]
+        if self._packed is not None and key == self._packed_key:
             return self._packed
         self._packed = None
-        if self._packings == _MAX_PACKINGS or any(w.device != x.device or w.dtype != ws[0].dtype for w in ws):
+        if self._packings == _MAX_PACKINGS or not all(_plain_linear(lin, x) for lin in linears):
+            return None
+        if any(w.dtype != ws[0].dtype for w in ws):
             return None
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return None  # a graph would replay the packing copy from the freed weights: pack in the warm-up instead
@@ -108,7 +123,9 @@ class KimiDeltaAttention(nn.Module):
             for w in ws:  # the same Parameter objects, now views: in-place updates (loading, optimisers) reach it
                 w.data = packed[start : start + w.shape[0]]
                 start += w.shape[0]
+        assert _row_blocks_of(packed, ws)
         self._packed, self._packings = packed, self._packings + 1
+        self._packed_key = [(id(lin), w.data_ptr(), w.dtype, w.shape) for lin, w in zip(linears, ws)]
         return packed
 
     def _x_projections(self, x: torch.Tensor) -> list[torch.Tensor]:

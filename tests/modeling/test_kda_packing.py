@@ -133,3 +133,15 @@ def test_gpu_packed_model_saves_and_loads(tmp_path):
     for name, p in model.state_dict().items():  # the gate and routing parameters load in fp32
         assert torch.equal(saved[name].cuda().to(p.dtype), p), name
     torch.testing.assert_close(_logits(loaded, ids), logits, rtol=2e-2, atol=2e-2)  # bf16; MoE sums may reorder
+
+
+@pytest.mark.usefixtures("pack_on_cpu")
+def test_hooked_projection_is_not_packed(monkeypatch):
+    """A forward hook on one projection (an adapter, a quantiser, accelerate) must run: that layer stays separate."""
+    model, plain = _model(tiny_kwargs()), _model(tiny_kwargs())
+    for m in (model, plain):
+        _kda_layers(m)[0].v_proj.register_forward_hook(lambda mod, args, out: out * 0.5)
+    expected = _separate_logits(plain, IDS, monkeypatch)
+    torch.testing.assert_close(_logits(model, IDS), expected, rtol=1e-5, atol=1e-5)
+    layers = _kda_layers(model)
+    assert layers[0]._packed is None and all(_is_packed(layer) for layer in layers[1:])
