@@ -99,7 +99,8 @@ class KimiDeltaAttention(nn.Module):
         """One weight [sum of outputs, d] whose row blocks the x projections' weights are views of, packed on the
         first call that can use it; None where the separate GEMMs run instead: off `PACK_DEVICES` (the packing
         only saves launches, and safetensors refuses to save CPU tensors that share storage), when autograd is on
-        for the weights, during a CUDA-graph capture that finds nothing packed, or once the weights were replaced
+        for the weights, where a projection is not a plain `nn.Linear` (`_plain_linear`: a hook or wrapper must
+        run), during a CUDA-graph capture that finds nothing packed, or once the weights were replaced
         again after a repacking (a hook that swaps them on every call, as accelerate's offloading does, would
         otherwise keep a packed copy alive)."""
         linears = self._x_linears()
