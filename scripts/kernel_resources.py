@@ -104,7 +104,7 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     BV = chunk.state_block(1, H, V, None)
     cases = [
         ("kda gate", kda_chunk_gate_kernel,
-         dict(H=H, K=K, BT=64, BK=chunk.GATE["BK"], GATE=False, LOWER_BOUND=False, WIDE=I["wide"],
+         dict(H=H, K=K, BT=64, BK=chunk.GATE["BK"], GATE_IN_KERNEL=False, USE_LOWER_BOUND=False, WIDE=I["wide"],
               HALVES=I["halves"]),
          chunk.GATE["num_warps"], 3, None),
         ("kda intra, chunk-wide", kda_chunk_intra_kernel, dict(intra, BKS=I["BKS"]), I["num_warps"],

@@ -59,8 +59,9 @@ def test_a_mixed_step_sends_decodes_and_verifies_to_the_decode_kernels(monkeypat
     spy(monkeypatch, paged_mla, "mla_prefill", calls, lambda q: q.shape[0])
     spy(monkeypatch, kda_module, "fused_recurrent_kda", calls, lambda q: q.shape[1])
     spy(monkeypatch, kda_module, "chunk_kda", calls, lambda q: q.shape[1])
-    spy(monkeypatch, kda_module, "causal_conv1d_update", calls, lambda x: x.shape[0])
-    spy(monkeypatch, kda_module, "causal_conv1d", calls, lambda x: x.shape[1])
+    # the convs take q, k and v as channel groups: count the tokens of the first
+    spy(monkeypatch, kda_module, "causal_conv1d_update", calls, lambda x: x[0].shape[0])
+    spy(monkeypatch, kda_module, "causal_conv1d", calls, lambda x: x[0].shape[1])
     model = make_model()
     mixed = ForwardBatch.build([1, 4, 9], [6, 6, 3], "cpu", phases=[Phase.DECODE, Phase.VERIFY, Phase.PREFILL])
     llm = LLM(model, page_size=8)

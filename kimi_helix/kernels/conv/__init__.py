@@ -6,8 +6,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from kimi_helix.kernels.backends import op_backend
 from kimi_helix.kernels.conv import naive
+
+
+def _first(x):
+    """The tensor the backend switch looks at: x itself, or its first channel group (see `naive.channel_groups`)."""
+    return x if isinstance(x, torch.Tensor) else x[0]
 
 
 def causal_conv1d(
@@ -21,8 +28,9 @@ def causal_conv1d(
     *,
     backend=None,
 ):
-    """Causal depthwise conv + activation over x [B, T, D] (varlen with cu_seqlens); see `naive.causal_conv1d`."""
-    if op_backend("causal_conv1d", x, forced=backend) == "triton":
+    """Causal depthwise conv + activation over x [B, T, D] or its channel groups (varlen with cu_seqlens); see
+    `naive.causal_conv1d`."""
+    if op_backend("causal_conv1d", _first(x), forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_triton as fn
     else:
         fn = naive.causal_conv1d
@@ -30,8 +38,9 @@ def causal_conv1d(
 
 
 def causal_conv1d_update(x, conv_state, weight, activation="silu", state_indices=None, *, backend=None):
-    """One decode step x [N, D] with conv_state [N, W-1, D] updated in place; see `naive.causal_conv1d_update`."""
-    if op_backend("causal_conv1d_update", x, forced=backend) == "triton":
+    """One decode step x [N, D] (or its channel groups, e.g. q, k, v) with conv_state [N, W-1, D] updated in place;
+    see `naive.causal_conv1d_update`."""
+    if op_backend("causal_conv1d_update", _first(x), forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_update_triton as fn
     else:
         fn = naive.causal_conv1d_update

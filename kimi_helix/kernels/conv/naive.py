@@ -7,6 +7,7 @@ previous ``W - 1`` raw inputs, oldest first, in the input dtype. Packed variable
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from kimi_helix.kernels.common import gather_states, scatter_states, segment_bounds
 
-__all__ = ["causal_conv1d", "causal_conv1d_update"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "channel_groups", "join_channels"]
 
 _PACKED = "x [1, total_T, D]"  # the packed layout, for cu_seqlens messages
 
@@ -25,6 +26,27 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation in ("silu", "swish"):
         return F.silu(y)
     raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+
+
+def channel_groups(x, weight) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``x`` and ``weight`` as lists of channel groups. A tensor is one group; a sequence of inputs (e.g. the q, k
+    and v projections, each ``[..., P]``) pairs with a sequence of as many weights ``[P, W]``, and stands for their
+    concatenation along the channels (the conv is depthwise, so each group only meets its own weight)."""
+    xs = [x] if isinstance(x, torch.Tensor) else list(x)
+    ws = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if not xs or len(xs) != len(ws):
+        raise ValueError(f"x and weight must have as many channel groups (at least one), got {len(xs)} and {len(ws)}")
+    if any(xi.shape != xs[0].shape for xi in xs):
+        raise ValueError(f"the channel groups of x must share one shape, got {[list(xi.shape) for xi in xs]}")
+    return xs, ws
+
+
+def join_channels(x, weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, weight) with channel groups (see :func:`channel_groups`) concatenated: ``[..., D]`` and ``[D, W]``."""
+    xs, ws = channel_groups(x, weight)
+    if len(xs) == 1:
+        return xs[0], ws[0]
+    return torch.cat(xs, dim=-1), torch.cat(ws, dim=0)
 
 
 def check_weight(weight: torch.Tensor, D: int) -> int:
@@ -51,10 +73,10 @@ def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     return y, xs
 
 
-# Twin of `triton.causal_conv1d_triton` (same signature and contract): change them together.
+# twin of conv/triton.py:causal_conv1d_triton (same signature and contract) — a fix here belongs there too
 def causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
+    weight: torch.Tensor | Sequence[torch.Tensor],
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
@@ -67,8 +89,10 @@ def causal_conv1d(
     its initial state (zeros when absent).
 
     Args:
-        x: ``[B, T, D]``.
-        weight: ``[D, W]`` (an ``nn.Conv1d(groups=D)`` weight ``[D, 1, W]`` squeezed).
+        x: ``[B, T, D]``, or channel groups ``[B, T, D / S]`` standing for their concatenation (see
+            :func:`channel_groups`).
+        weight: ``[D, W]`` (an ``nn.Conv1d(groups=D)`` weight ``[D, 1, W]`` squeezed), or one ``[D / S, W]`` per
+            group of ``x``.
         initial_state: ``[N, W - 1, D]``, the previous ``W - 1`` inputs of each sequence, oldest first; N = B, or
             the number of packed sequences.
         output_final_state: also return the cache after the last token.
@@ -83,6 +107,7 @@ def causal_conv1d(
         ``(y [B, T, D] in x.dtype, final_state [N, W - 1, D] in x.dtype or None)``. The final state holds the last
         ``W - 1`` inputs of each sequence, topped up from the initial state (or zeros) for short sequences.
     """
+    x, weight = join_channels(x, weight)
     if x.dim() != 3:
         raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
     B, T, D = x.shape
@@ -115,19 +140,21 @@ def causal_conv1d(
     return y, finals.to(x.dtype)
 
 
+# twin of conv/triton.py:causal_conv1d_update_triton (same signature and contract) — a fix here belongs there too
 def causal_conv1d_update(
-    x: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
     conv_state: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     activation: str | None = "silu",
     state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of :func:`causal_conv1d` for N sequences.
 
     Args:
-        x: ``[N, D]``, the new input of each sequence.
+        x: ``[N, D]``, the new input of each sequence, or channel groups ``[N, D / S]`` standing for their
+            concatenation (see :func:`channel_groups`).
         conv_state: ``[N, W - 1, D]``, updated IN PLACE: the oldest input is dropped and ``x`` appended.
-        weight: ``[D, W]``.
+        weight: ``[D, W]``, or one ``[D / S, W]`` per group of ``x``.
         activation: ``"silu"`` (alias ``"swish"``) or None.
         state_indices: ``[N]``: ``conv_state`` is then a pool ``[slots, W - 1, D]`` and sequence i uses (and
             updates in place) slot ``state_indices[i]``.
@@ -135,6 +162,7 @@ def causal_conv1d_update(
     Returns:
         ``y [N, D]`` in x.dtype.
     """
+    x, weight = join_channels(x, weight)
     if x.dim() != 2:
         raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
     N, D = x.shape

@@ -7,13 +7,15 @@ may be an engine pool ``[slots, W - 1, D]`` addressed by ``state_indices`` and i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
-from kimi_helix.kernels.conv.naive import check_weight
+from kimi_helix.kernels.conv.naive import channel_groups, check_weight
 from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
@@ -27,37 +29,65 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _group(i_s, x0, x1, x2, w0, w1, w2, stride_x0, stride_x1, stride_x2):
+    """Input, weight and input row stride of channel group i_s (up to three, e.g. q, k, v: each its own tensor, so
+    no caller concatenates them); group i_s is channels [i_s * P, (i_s + 1) * P) of the state and of y."""
+    if i_s == 0:
+        return x0, w0, stride_x0
+    elif i_s == 1:
+        return x1, w1, stride_x1
+    else:
+        return x2, w2, stride_x2
+
+
+@triton.jit
 def causal_conv1d_fwd_kernel(
-    x,
-    w,
+    x0,
+    x1,
+    x2,
+    w0,
+    w1,
+    w2,
     y,
     h0,
     cu_seqlens,
-    seq_ids,
     state_indices,
-    stride_x_t,
+    stride_x0,
+    stride_x1,
+    stride_x2,
+    stride_y,
     stride_h0_n,
     stride_h0_w,
     total_t,
     T,
-    D,
+    N,
+    P,
     W: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
+    LOG_N: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    # One [BT tokens, BD channels] tile of the packed input. A tap that reaches before its token's sequence start
-    # reads the sequence's cache instead (or zero), so sequences never see each other's inputs.
-    i_t, i_d = tl.program_id(0), tl.program_id(1)
+    # One [BT tokens, BD channels] tile of channel group i_s of the packed input. A tap that reaches before its
+    # token's sequence start reads the sequence's cache instead (or zero), so sequences never see each other's inputs.
+    i_t, i_s, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x, w, stride_x_t = _group(i_s, x0, x1, x2, w0, w1, w2, stride_x0, stride_x1, stride_x2)
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
     o_d = i_d * BD + tl.arange(0, BD)
+    o_c = i_s * P + o_d  # the channels in the cache and in y
     mask_t = o_t < total_t
-    mask_d = o_d < D
+    mask_d = o_d < P
     if IS_VARLEN:
-        i_n = tl.load(seq_ids + o_t, mask=mask_t, other=0).to(tl.int64)
+        # each token's sequence: the number of sequence ends cu_seqlens[1:] at or before it, by a binary search
+        # over them (LOG_N = N.bit_length() halvings; no host-side search, no extra kernel)
+        i_n = tl.zeros([BT], dtype=tl.int64)
+        for j in tl.static_range(LOG_N):
+            cand = i_n + (1 << (LOG_N - 1 - j))
+            end = tl.load(cu_seqlens + cand, mask=mask_t & (cand <= N), other=0).to(tl.int64)
+            i_n = tl.where((cand <= N) & (end <= o_t), cand, i_n)
         bos = tl.load(cu_seqlens + i_n, mask=mask_t, other=0).to(tl.int64)
     else:
         i_n = o_t // T
@@ -73,29 +103,34 @@ def causal_conv1d_fwd_kernel(
         b_x = tl.load(x + src[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
         b_x = b_x.to(tl.float32)
         if USE_INITIAL_STATE:
-            p_h = h0 + slot[:, None] * stride_h0_n + (src - bos + W - 1)[:, None] * stride_h0_w + o_d[None, :]
+            p_h = h0 + slot[:, None] * stride_h0_n + (src - bos + W - 1)[:, None] * stride_h0_w + o_c[None, :]
             b_x += tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(tl.float32)
         b_w = tl.load(w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
         acc += b_x * b_w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y + o_t[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
+    p_y = y + o_t[:, None] * stride_y + o_c[None, :]
+    tl.store(p_y, acc.to(y.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def causal_conv1d_final_state_kernel(
-    x,
+    x0,
+    x1,
+    x2,
     h0,
     ht,
     cu_seqlens,
     state_indices,
-    stride_x_t,
+    stride_x0,
+    stride_x1,
+    stride_x2,
     stride_h0_n,
     stride_h0_w,
     stride_ht_n,
     stride_ht_w,
     T,
-    D,
+    P,
     W: tl.constexpr,
     BW: tl.constexpr,
     BD: tl.constexpr,
@@ -105,55 +140,49 @@ def causal_conv1d_final_state_kernel(
 ):
     # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
     # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free.
-    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    x, _, stride_x_t = _group(i_s, x0, x1, x2, x0, x1, x2, stride_x0, stride_x1, stride_x2)
     bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
     o_w = tl.arange(0, BW)
     o_d = i_d * BD + tl.arange(0, BD)
-    m = (o_w < W - 1)[:, None] & (o_d < D)[None, :]
+    o_c = i_s * P + o_d  # the channels in the caches
+    m = (o_w < W - 1)[:, None] & (o_d < P)[None, :]
     pos = eos - (W - 1) + o_w
     in_seq = pos >= bos
     b_s = tl.load(x + pos[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
     if USE_INITIAL_STATE:
-        p_h = h0 + slot * stride_h0_n + (pos - bos + W - 1)[:, None] * stride_h0_w + o_d[None, :]
+        p_h = h0 + slot * stride_h0_n + (pos - bos + W - 1)[:, None] * stride_h0_w + o_c[None, :]
         b_s = tl.where(in_seq[:, None], b_s, tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(b_s.dtype))
-    tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_d[None, :], b_s.to(ht.dtype.element_ty), mask=m)
+    tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_c[None, :], b_s.to(ht.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def causal_conv1d_update_kernel(
-    x,
-    w,
-    y,
-    state,
-    state_indices,
-    stride_x_n,
-    stride_s_n,
-    stride_s_w,
-    D,
-    W: tl.constexpr,
-    BD: tl.constexpr,
-    USE_STATE_INDICES: tl.constexpr,
-    SILU: tl.constexpr,
-):
-    i_n, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+def causal_conv1d_update_kernel(x0, x1, x2, w0, w1, w2, y, state, state_indices, stride_x0, stride_x1, stride_x2,
+                                stride_y, stride_s_n, stride_s_w, P, W: tl.constexpr, BD: tl.constexpr,
+                                USE_STATE_INDICES: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    # Program (n, s, d): channels [d * BD, (d + 1) * BD) of channel group s (see `_group`) of sequence n.
+    i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_indices + i_n).to(tl.int64) if USE_STATE_INDICES else i_n
+    p_x, p_w, stride_x = _group(i_s, x0, x1, x2, w0, w1, w2, stride_x0, stride_x1, stride_x2)
+    p_x += i_n * stride_x
     o_d = i_d * BD + tl.arange(0, BD)
-    mask_d = o_d < D
-    p_s = state + slot * stride_s_n + o_d
-    b_x = tl.load(x + i_n * stride_x_n + o_d, mask=mask_d, other=0.0)
-    acc = b_x.to(tl.float32) * tl.load(w + o_d * W + W - 1, mask=mask_d, other=0.0).to(tl.float32)
+    mask_d = o_d < P
+    o_c = i_s * P + o_d  # the channels in the state and in y
+    p_s = state + slot * stride_s_n + o_c
+    b_x = tl.load(p_x + o_d, mask=mask_d, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(p_w + o_d * W + W - 1, mask=mask_d, other=0.0).to(tl.float32)
     # Shift the window one step: each thread loads row j + 1 and stores it to row j of the same channels, and all
     # loads of a row precede its store in program order, so the in-place update needs no barrier.
     for j in tl.static_range(W - 1):
         b_s = tl.load(p_s + j * stride_s_w, mask=mask_d, other=0.0)
-        acc += b_s.to(tl.float32) * tl.load(w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
+        acc += b_s.to(tl.float32) * tl.load(p_w + o_d * W + j, mask=mask_d, other=0.0).to(tl.float32)
         if j > 0:
             tl.store(p_s + (j - 1) * stride_s_w, b_s, mask=mask_d)
     if W > 1:
         tl.store(p_s + (W - 2) * stride_s_w, b_x.to(state.dtype.element_ty), mask=mask_d)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y + i_n * D + o_d, acc.to(y.dtype.element_ty), mask=mask_d)
+    tl.store(y + i_n * stride_y + o_c, acc.to(y.dtype.element_ty), mask=mask_d)
 
 
 def _silu(activation: str | None) -> bool:
@@ -183,10 +212,36 @@ def _check_state(name: str, state: torch.Tensor, x: torch.Tensor, W: int, D: int
         raise ValueError(f"{name} must be contiguous along D (it is read and written in place)")
 
 
-# Twin of `naive.causal_conv1d` (same signature and contract): change them together.
+def _channel_groups(x, weight, shape: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """x's channel groups as token rows [tokens, P] (unit stride along P), their weights [P, W] (contiguous) and W;
+    ``shape`` names x's layout (``"[N, D]"`` or ``"[B, T, D]"``)."""
+    xs, ws = channel_groups(x, weight)
+    if len(xs) > 3:
+        raise ValueError(f"x may have at most 3 channel groups, got {len(xs)}")
+    if xs[0].dim() != shape.count(",") + 1:
+        raise ValueError(f"x must have shape {shape}, got {list(xs[0].shape)}")
+    P = xs[0].shape[-1]
+    for i, (xi, wi) in enumerate(zip(xs, ws)):
+        if xi.dtype != xs[0].dtype:
+            raise ValueError(f"the channel groups of x must share one dtype, got {xs[0].dtype} and {xi.dtype}")
+        W = _check_common(xi, wi, P)
+        if wi.shape[1] != ws[0].shape[1]:
+            raise ValueError(f"the weights of all channel groups must have one width W, got {[w.shape for w in ws]}")
+        check_device(f"x[{i}]", xi, xs[0].device, "x[0]")
+    rows = [xi.flatten(0, -2) for xi in xs]
+    return [r if r.stride(-1) == 1 else r.contiguous() for r in rows], [wi.contiguous() for wi in ws], W
+
+
+def _padded(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> tuple[list, list, list[int]]:
+    """The kernels' three group pointers (the unused repeat the first: the grid never reaches them) and strides."""
+    pad = 3 - len(xs)
+    return xs + xs[:1] * pad, ws + ws[:1] * pad, [xi.stride(0) for xi in xs] + [xs[0].stride(0)] * pad
+
+
+# twin of conv/naive.py:causal_conv1d (same signature and contract) — a fix here belongs there too
 def causal_conv1d_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
+    weight: torch.Tensor | Sequence[torch.Tensor],
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
@@ -200,8 +255,9 @@ def causal_conv1d_triton(
     must be non-decreasing from 0 to ``T``; ``state_indices`` must be distinct and in range.
 
     Args:
-        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D.
-        weight: ``[D, W]``.
+        x: ``[B, T, D]`` fp32/fp16/bf16, contiguous along D, or up to three channel groups ``[B, T, D / S]`` (e.g.
+            the q, k and v projections), read in place as if concatenated along D.
+        weight: ``[D, W]``, or one ``[D / S, W]`` per group of ``x``.
         initial_state: ``[N, W - 1, D]`` (N = B or the number of packed sequences), or with ``state_indices`` the
             pool ``[slots, W - 1, D]``.
         output_final_state: return the cache after each sequence's last token; with ``state_indices`` it is
@@ -213,10 +269,10 @@ def causal_conv1d_triton(
     Returns:
         ``(y [B, T, D] in x.dtype, final_state)``: ``[N, W - 1, D]`` in x.dtype, the pool, or None.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
-    B, T, D = x.shape
-    W = _check_common(x, weight, D)
+    xs, ws, W = _channel_groups(x, weight, "[B, T, D]")
+    x = x if isinstance(x, torch.Tensor) else x[0]
+    B, T, P = x.shape
+    D = P * len(xs)
     silu = _silu(activation)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, "x [1, total_T, D]")
     if state_indices is not None:
@@ -226,23 +282,15 @@ def causal_conv1d_triton(
     if initial_state is not None:
         _check_state("initial_state", initial_state, x, W, D, None if state_indices is not None else N)
 
-    xf = x.flatten(0, 1)
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    weight = weight.contiguous()
+    x3, w3, strides = _padded(xs, ws)
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
     h0_strides = (initial_state.stride(0), initial_state.stride(1)) if initial_state is not None else (0, 0)
-    seq_ids = None
-    if cu_seqlens is not None:
-        # token -> sequence without a host sync; the first boundary (0) is dropped so the search counts ends passed
-        tokens = torch.arange(B * T, device=x.device, dtype=cu_seqlens.dtype)
-        seq_ids = torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
     bt, bd = (16, 32) if interpreting() else (32, 128)
     if B * T > 0:
-        grid = (cdiv(B * T, bt), cdiv(D, bd))
+        grid = (cdiv(B * T, bt), len(xs), cdiv(P, bd))
         causal_conv1d_fwd_kernel[grid](
-            xf, weight, y, initial_state, cu_seqlens, seq_ids, state_indices, xf.stride(0), *h0_strides,
-            B * T, T, D, W=W, BT=bt, BD=bd,
+            *x3, *w3, y, initial_state, cu_seqlens, state_indices, *strides, D, *h0_strides,
+            B * T, T, N, P, W=W, BT=bt, BD=bd, LOG_N=N.bit_length() if cu_seqlens is not None else 0,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             USE_STATE_INDICES=state_indices is not None,
@@ -253,9 +301,9 @@ def causal_conv1d_triton(
         return y, None
     final = initial_state if state_indices is not None else torch.empty(N, W - 1, D, dtype=x.dtype, device=x.device)
     if W > 1:
-        causal_conv1d_final_state_kernel[(N, cdiv(D, bd))](
-            xf, initial_state, final, cu_seqlens, state_indices, xf.stride(0), *h0_strides,
-            final.stride(0), final.stride(1), T, D,
+        causal_conv1d_final_state_kernel[(N, len(xs), cdiv(P, bd))](
+            *x3, initial_state, final, cu_seqlens, state_indices, *strides, *h0_strides,
+            final.stride(0), final.stride(1), T, P,
             W=W, BW=next_pow2(W - 1), BD=bd,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
@@ -265,10 +313,11 @@ def causal_conv1d_triton(
     return y, final
 
 
+# twin of conv/naive.py:causal_conv1d_update (same signature and contract) — a fix here belongs there too
 def causal_conv1d_update_triton(
-    x: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor],
     conv_state: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Sequence[torch.Tensor],
     activation: str | None = "silu",
     state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -276,33 +325,33 @@ def causal_conv1d_update_triton(
     ``conv.naive.causal_conv1d_update``.
 
     Args:
-        x: ``[N, D]``, the new input of each sequence (contiguous along D).
+        x: ``[N, D]``, the new input of each sequence (contiguous along D), or up to three channel groups
+            ``[N, D / S]`` (e.g. the q, k and v projections), read in place as if concatenated along D.
         conv_state: ``[N, W - 1, D]``, or with ``state_indices`` the pool ``[slots, W - 1, D]``; updated IN PLACE
             (only the listed slots): the oldest input is dropped and ``x`` appended.
-        weight: ``[D, W]``.
+        weight: ``[D, W]``, or one ``[D / S, W]`` per group of ``x``.
         activation: ``"silu"`` (alias ``"swish"``) or None.
         state_indices: ``[N]`` int32/int64 distinct pool slots.
 
     Returns:
         ``y [N, D]`` in x.dtype.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [N, D], got {list(x.shape)}")
-    N, D = x.shape
-    W = _check_common(x, weight, D)
+    xs, ws, W = _channel_groups(x, weight, "[N, D]")
+    N, P = xs[0].shape
+    D = P * len(xs)
     silu = _silu(activation)
+    x = xs[0]
     if state_indices is not None:
         check_index("state_indices", state_indices, N, x.device, "x")
     _check_state("conv_state", conv_state, x, W, D, None if state_indices is not None else N)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     y = torch.empty(N, D, dtype=x.dtype, device=x.device)
     if N == 0:
         return y
     bd = 32 if interpreting() else 256
-    causal_conv1d_update_kernel[(N, cdiv(D, bd))](
-        x, weight.contiguous(), y, conv_state, state_indices, x.stride(0), conv_state.stride(0), conv_state.stride(1),
-        D, W=W, BD=bd,
+    x3, w3, strides = _padded(xs, ws)
+    causal_conv1d_update_kernel[(N, len(xs), cdiv(P, bd))](
+        *x3, *w3, y, conv_state, state_indices, *strides, y.stride(0), conv_state.stride(0), conv_state.stride(1), P,
+        W=W, BD=bd,
         USE_STATE_INDICES=state_indices is not None,
         SILU=silu,
         num_warps=4,

@@ -67,9 +67,9 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
 
 
 # Launch parameters of the chunk-parallel kernels, tuned on an H200 at T=8192, H=64 by scripts/tune_kda_prefill.py
-# (what each alternative gave is in docs/benchmark-history.md). BKS is the column slice of the intra kernels' dots,
-# BS that of the WY kernel's chunk-wide dots, BV the value columns per program of the state and output kernels
-# (OUTPUT only applies without STATE["output"]).
+# (the current times are in docs/benchmarks.md, what each alternative gave in docs/benchmark-history.md). BKS is
+# the column slice of the intra kernels' dots, BS that of the WY kernel's chunk-wide dots, BV the value columns per
+# program of the state and output kernels (OUTPUT only applies without STATE["output"]).
 #
 # INTRA["wide"] lets the gate kernel route every chunk whose decay spread fits to the chunk-wide factorisation, the
 # rest to the per-half pass (INTRA["halves"], chunk_intra_halves.py) and the block kernel; without either the block
@@ -96,9 +96,8 @@ def _fit(block: int, dim: int) -> int:
 
 
 def _check_state_table() -> None:
-    """The state pass computes o only at 4 warps: at 8, Triton 3.6 miscompiled it on an H200 (o off by 16% of its
-    norm, or an illegal memory access, at T=2048, H=32), while 4 warps and the pass without o at 8
-    warps matched the reference in every case tried."""
+    """The state pass computes o only at 4 warps: at 8 Triton miscompiled it on an H200 (a wrong o, or an illegal
+    memory access; docs/benchmark-history.md), while 4 warps matched the reference in every case tried."""
     if STATE["output"] and STATE["num_warps"] != 4:
         raise ValueError(f"chunk.STATE with output=True needs num_warps=4 (the only count verified), got {STATE}")
 
@@ -112,7 +111,72 @@ def state_block(N: int, H: int, V: int, device_index: int | None) -> int:
     return BV
 
 
-# Twin of `naive.naive_chunk_kda` (same signature and contract): an argument added to one goes into the other.
+def _check_args(q, k, v, g, beta, chunk_size, A_log, dt_bias, lower_bound) -> tuple[int, int, int, int, int]:
+    """The inputs `chunk_kda_triton` serves; returns (B, T, H, K, V)."""
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
+    _check_state_table()
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_device(name, t, q.device)
+    check_triton_device("q", q)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    if K > 256 or V > 256:
+        raise ValueError(f"head dims up to 256 are supported, got K={K}, V={V}")
+    check_gate_args(A_log, dt_bias, lower_bound, H, K)
+    return B, T, H, K, V
+
+
+def _chunk_local_stages(q, k, v, g, beta, gate, buffers, cu, chunk_indices, scale, use_qk_l2norm, dot_prec):
+    """Stages 1-4 over every chunk (gate, intra, WY): fill `buffers`' G, route, Aqk, Ai, rnorm, qg, kd, kg, w, u."""
+    _, _, H, K = q.shape
+    V, NT, chunk_size = v.shape[-1], chunk_indices.shape[0], buffers["Aqk"].shape[-1]
+    A_log, dt_bias, lower_bound = gate
+    G, route, Aqk, Ai, rnorm = (buffers[n] for n in ("G", "route", "Aqk", "Ai", "rnorm"))
+    qg, kd, kg, w, u = (buffers[n] for n in ("qg", "kd", "kg", "w", "u"))
+    intra = INTRA if lower_bound is None else INTRA_BOUNDED
+    halves = intra["halves"] and chunk_size >= 32  # a half chunk must fill a 16-row dot
+    gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
+    kda_chunk_gate_kernel[(NT, H)](
+        g, G, route, *gate_args, cu, chunk_indices, lower_bound or 0.0,
+        H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE_IN_KERNEL=A_log is not None,
+        USE_LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
+    )  # fmt: skip
+    common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_prec)
+    args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
+
+    def launch(kernel, cfg):
+        kernel[(NT, H)](*args, **common, BKS=_fit(cfg["BKS"], K), num_warps=cfg["num_warps"],
+                        num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])  # fmt: skip
+
+    # Few chunks reach the block kernel, but each keeps one of its programs busy long; launched after the other
+    # intra kernels, those programs add their latency to the prefill. On a stream of its own, launched first,
+    # they overlap the others.
+    side = side_stream(q.device.index or 0) if BLOCKS["side_stream"] and q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            launch(kda_chunk_intra_blocks_kernel, BLOCKS)
+    if intra["wide"]:
+        launch(kda_chunk_intra_kernel, intra)
+    if halves:
+        launch(kda_chunk_intra_halves_kernel, HALVES)
+    if side is None:
+        launch(kda_chunk_intra_blocks_kernel, BLOCKS)
+    else:
+        torch.cuda.current_stream().wait_stream(side)
+    BS = _fit(WY["BS"], max(K, V))
+    slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
+    kda_chunk_wy_kernel[(NT, H, slices)](
+        kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
+        H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PRECISION=dot_prec,
+        SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
+    )  # fmt: skip
+
+
+# twin of kda/naive.py:naive_chunk_kda (same signature and contract; the arguments of fused_recurrent_kda_triton
+# less the verify ones) — a fix here belongs there too
 def chunk_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -129,6 +193,7 @@ def chunk_kda_triton(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA forward in Triton (prefill); same results as :func:`naive_chunk_kda`.
 
@@ -147,24 +212,14 @@ def chunk_kda_triton(
         state_indices: ``[N]`` int pool slot of each sequence (distinct slots); needs ``initial_state``.
         A_log: ``H`` elements; dt_bias: ``H * K`` elements; lower_bound: negative float for the bounded gate.
         chunk_size: 64 (default), 32 or 16.
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits). Its fp32 sigmoid is taken once here,
+            as the intra and WY kernels both read beta (one small elementwise kernel per prefill).
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state)``: final_state is ``[N, H, K, V]`` fp32, the pool with
         ``state_indices``, or None without ``output_final_state``.
     """
-    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
-    _check_state_table()
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        check_device(name, t, q.device)
-    check_triton_device("q", q)
-    if chunk_size not in (16, 32, 64):
-        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
-    if K > 256 or V > 256:
-        raise ValueError(f"head dims up to 256 are supported, got K={K}, V={V}")
-    check_gate_args(A_log, dt_bias, lower_bound, H, K)
-
+    B, T, H, K, V = _check_args(q, k, v, g, beta, chunk_size, A_log, dt_bias, lower_bound)
     cu, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T, chunk_size, q.device)
     N, NT = cu.numel() - 1, chunk_indices.shape[0]
     initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
@@ -172,6 +227,8 @@ def chunk_kda_triton(
         check_shape("state_indices", state_indices, (N,), "[N]")
         state_indices = state_indices.to(q.device, torch.int32)
 
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid()
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = K**-0.5 if scale is None else scale
     BK = max(16, next_pow2(K))
@@ -184,6 +241,7 @@ def chunk_kda_triton(
     Ai = torch.empty(B, T, H, chunk_size, dtype=torch.float32, device=q.device)  # (I + A)^-1 per chunk, scratch
     route = torch.empty(NT, H, dtype=torch.int32, device=q.device)  # the intra kernel of each chunk and head
     rnorm = torch.empty(B, T, H, 2, dtype=torch.float32, device=q.device)  # scale/|q|, 1/|k|; scale, 1 without the norm
+    buffers = dict(G=G, route=route, Aqk=Aqk, Ai=Ai, rnorm=rnorm, qg=qg, kd=kd, kg=kg, w=w, u=u)
     fuse_output = STATE["output"]
     # without the output kernel, the per-chunk states and v_new never leave the state pass: o stands in for both
     h = o if fuse_output else torch.empty(NT, H, K, V, dtype=q.dtype, device=q.device)
@@ -196,44 +254,10 @@ def chunk_kda_triton(
         final_state = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
 
     if NT:
-        intra = INTRA if lower_bound is None else INTRA_BOUNDED
-        halves = intra["halves"] and chunk_size >= 32  # a half chunk must fill a 16-row dot
-        gate_args = (A_log.reshape(H).float(), dt_bias.reshape(H * K).float()) if A_log is not None else (None, None)
-        kda_chunk_gate_kernel[(NT, H)](
-            g, G, route, *gate_args, cu, chunk_indices, lower_bound or 0.0,
-            H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE=A_log is not None,
-            LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
-        )  # fmt: skip
-        common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm_in_kernel, DOT_PRECISION=dot_prec)
-        args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
-
-        def launch(kernel, cfg):
-            kernel[(NT, H)](*args, **common, BKS=_fit(cfg["BKS"], K), num_warps=cfg["num_warps"],
-                            num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"])  # fmt: skip
-
-        # Few chunks reach the block kernel, but each keeps one of its programs busy long; launched after the other
-        # intra kernels, those programs add their latency to the prefill. On a stream of its own, launched first,
-        # they overlap the others.
-        side = side_stream(q.device.index or 0) if BLOCKS["side_stream"] and q.is_cuda else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                launch(kda_chunk_intra_blocks_kernel, BLOCKS)
-        if intra["wide"]:
-            launch(kda_chunk_intra_kernel, intra)
-        if halves:
-            launch(kda_chunk_intra_halves_kernel, HALVES)
-        if side is None:
-            launch(kda_chunk_intra_blocks_kernel, BLOCKS)
-        else:
-            torch.cuda.current_stream().wait_stream(side)
-        BS = _fit(WY["BS"], max(K, V))
-        slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
-        kda_chunk_wy_kernel[(NT, H, slices)](
-            kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
-            H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PRECISION=dot_prec,
-            SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
-        )  # fmt: skip
+        gate = (A_log, dt_bias, lower_bound)
+        _chunk_local_stages(
+            q, k, v, g, beta, gate, buffers, cu, chunk_indices, scale, use_qk_l2norm_in_kernel, dot_prec
+        )
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(cdiv(V, BV), N * H)](
         w, u, kg, G, qg, Aqk, rnorm, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.kda.jit import load_state, state_tile
 from kimi_helix.kernels.sequences import sequence_span
 
 
@@ -78,21 +79,12 @@ def kda_chunk_state_kernel(
     o += bos * (H * V) + i_h * V
 
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    offs_kv = o_k[:, None] * V + o_v[None, :]
-
-    b_S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        b_S = tl.load(h0 + (slot * H + i_h) * (K * V) + offs_kv, mask=m_kv, other=0.0).to(tl.float32)
+    o_k, o_v, m_k, m_v, m_kv, offs_kv = state_tile(i_v, K, V, BK, BV)
+    b_S = load_state(h0, slot, i_h, offs_kv, m_kv, H, K, V, BK, BV, USE_INITIAL_STATE)
 
     h += (boh * H + i_h) * (K * V)
     # G's last row and the rows' scale/|q| feed no dot, so Triton's pipeliner leaves their loads inside the
-    # iteration, which then waits for them (ncu: the exp2 of G's row held 15% of the pass's stall samples): both
-    # are loaded a chunk ahead instead.
+    # iteration, which then waits for them: both are loaded a chunk ahead instead.
     b_glast = _last_decay(G, T, o_k, m_k, H, K, BT)
     b_rq = tl.zeros([BT], dtype=tl.float32)
     if FUSE_OUTPUT:
@@ -100,7 +92,7 @@ def kda_chunk_state_kernel(
     for i_t in range(tl.cdiv(T, BT)):
         # the per-token pointers point at the current chunk (advanced below), so in-chunk offsets stay small. The
         # tile offsets are written out at each use, not hoisted into loop-invariant tensors: held across the loop
-        # those spilled (1120 bytes a thread at BV=64 with 8 warps under Triton 3.6 for sm_90; none or few this way).
+        # those spilled registers.
         n_next = T - (i_t + 1) * BT  # rows of the next chunk, <= 0 after the last
         b_glast_next = _last_decay(G + BT * (H * K), n_next, o_k, m_k, H, K, BT)
         b_rq_next = b_rq

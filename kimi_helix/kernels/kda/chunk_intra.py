@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kimi_helix.kernels.kda.jit import log_decay
 from kimi_helix.kernels.sequences import chunk_span
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -35,12 +36,13 @@ ROUTE_BLOCKS = tl.constexpr(2)
 
 
 @triton.jit
-def at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H: tl.constexpr, K: tl.constexpr,
-              BT: tl.constexpr):  # fmt: skip
-    """The intra kernels' pointers moved to token t0 and head i_h, so row indices are chunk-relative and offsets
-    small."""
+def at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens, chunk_indices, i_c, i_h, H: tl.constexpr,
+             K: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    """The valid rows T of chunk i_c, and the intra kernels' pointers moved to its first token and to head i_h, so
+    row indices are chunk-relative and offsets small: (T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg)."""
+    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     HK = H * K
-    return (q + t0 * HK + i_h * K, k + t0 * HK + i_h * K, G + t0 * HK + i_h * K, beta + t0 * H + i_h,
+    return (T, q + t0 * HK + i_h * K, k + t0 * HK + i_h * K, G + t0 * HK + i_h * K, beta + t0 * H + i_h,
             Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h,
             qg + t0 * HK + i_h * K, kd + t0 * HK + i_h * K, kg + t0 * HK + i_h * K)  # fmt: skip
 
@@ -76,8 +78,8 @@ def kda_chunk_gate_kernel(
     K: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
-    GATE: tl.constexpr,
-    LOWER_BOUND: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
     WIDE: tl.constexpr,
     HALVES: tl.constexpr,
 ):
@@ -90,26 +92,22 @@ def kda_chunk_gate_kernel(
     g += t0 * (H * K) + i_h * K
     G += t0 * (H * K) + i_h * K
     rate = 1.0
-    if GATE:
+    if GATE_IN_KERNEL:
         rate = tl.exp(tl.load(A_log + i_h))
     spread_wide = 0.0
     spread_halves = 0.0
     for c in range(0, K, BK):
         x = _tile(g, 0, c, T, K, H * K, BT, BK)
-        if GATE:
+        if GATE_IN_KERNEL:
             o_k = c + tl.arange(0, BK)
-            x = x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :]
-            if LOWER_BOUND:
-                x = lower_bound * tl.sigmoid(rate * x)
-            else:
-                # softplus with torch's threshold 20
-                x = -rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            x = log_decay(x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :], rate, lower_bound,
+                          USE_LOWER_BOUND)  # fmt: skip
         # padding rows come after every valid row, so they never reach a stored cumulative sum
         b_G = tl.cumsum(x, axis=0) * LOG2E
         store_tile(G, b_G, 0, c, T, K, H * K, BT, BK)
         if WIDE or HALVES:
             tl.debug_barrier()  # the pivot rows are read back from G, stored by other threads
-            sw, sh = _spreads(G, b_G, c, T, H * K, K, BT, BK, WIDE, HALVES, GATE)
+            sw, sh = _spreads(G, b_G, c, T, H * K, K, BT, BK, WIDE, HALVES, GATE_IN_KERNEL)
             spread_wide = tl.maximum(spread_wide, sw)
             spread_halves = tl.maximum(spread_halves, sh)
     r = tl.zeros([], dtype=tl.int32) + ROUTE_BLOCKS
@@ -297,8 +295,9 @@ def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION:
     _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PRECISION)
 
 
-# The three intra kernels (this, `chunk_intra_blocks`, `chunk_intra_halves`) take the same arguments on purpose:
-# the gate kernel's route gives each chunk to one of them, and `chunk.py` launches all three alike.
+# same signature as chunk_intra_blocks.py:kda_chunk_intra_blocks_kernel and chunk_intra_halves.py:
+# kda_chunk_intra_halves_kernel on purpose (the gate kernel's route gives each chunk to one of them, and chunk.py
+# launches the three alike) — an argument added here belongs there too
 @triton.jit
 def kda_chunk_intra_kernel(
     q,
@@ -329,8 +328,8 @@ def kda_chunk_intra_kernel(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
         return
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
+    T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens,
+                                                            chunk_indices, i_c, i_h, H, K, BT)  # fmt: skip
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)

@@ -27,7 +27,6 @@ from kimi_helix.kernels.kda.chunk_intra import (
     store_tile,
     zero_above_diagonal,
 )
-from kimi_helix.kernels.sequences import chunk_span
 
 
 @triton.jit
@@ -123,7 +122,8 @@ def _finish_pair(Aqk, A_qk, A_kk, ri0, rj0, rq_i, rk_i, b_i, rk_j, T, H: tl.cons
     return A_kk * (rk_i * b_i)[:, None] * rk_j[None, :]
 
 
-# Same arguments as `chunk_intra.kda_chunk_intra_kernel` on purpose (see there).
+# same signature as chunk_intra.py:kda_chunk_intra_kernel (chunk.py launches the three intra kernels alike) —
+# an argument added here belongs there too
 @triton.jit
 def kda_chunk_intra_blocks_kernel(
     q,
@@ -153,8 +153,8 @@ def kda_chunk_intra_blocks_kernel(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_BLOCKS:
         return
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
+    T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens,
+                                                            chunk_indices, i_c, i_h, H, K, BT)  # fmt: skip
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
     Z = tl.zeros([BC, BC], dtype=tl.float32)

@@ -24,7 +24,6 @@ from kimi_helix.kernels.kda.chunk_intra import (
     zero_above_diagonal,
 )
 from kimi_helix.kernels.kda.chunk_intra_blocks import load_slice
-from kimi_helix.kernels.sequences import chunk_span
 
 
 @triton.jit
@@ -35,7 +34,8 @@ def _factors(b_d, m, b_k):
             tl.trans(b_k * tl.exp2(tl.where(m[:, None], -b_d, -float("inf")))))  # fmt: skip
 
 
-# Same arguments as `chunk_intra.kda_chunk_intra_kernel` on purpose (see there).
+# same signature as chunk_intra.py:kda_chunk_intra_kernel (chunk.py launches the three intra kernels alike) —
+# an argument added here belongs there too
 @triton.jit
 def kda_chunk_intra_halves_kernel(
     q,
@@ -65,8 +65,8 @@ def kda_chunk_intra_halves_kernel(
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     if tl.load(route + i_c * H + i_h) != ROUTE_HALVES:
         return
-    t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
-    q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, t0, i_h, H, K, BT)
+    T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens,
+                                                            chunk_indices, i_c, i_h, H, K, BT)  # fmt: skip
     HK = H * K
     HALF: tl.constexpr = BT // 2
     o_h = tl.arange(0, HALF)

@@ -14,23 +14,9 @@ from kimi_helix.kernels.sequences import chunk_span
 
 
 @triton.jit
-def kda_chunk_output_kernel(
-    qg,
-    h,
-    Aqk,
-    rnorm,
-    v_new,
-    o,
-    cu_seqlens,
-    chunk_indices,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def kda_chunk_output_kernel(qg, h, Aqk, rnorm, v_new, o, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                            V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):  # fmt: skip
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # pointers start at the chunk, so in-chunk offsets stay small
     t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)

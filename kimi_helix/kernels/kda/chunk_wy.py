@@ -39,24 +39,9 @@ def _wy_slice(x, b_A, b_b, rk, y, c, T, H: tl.constexpr, D: tl.constexpr, BT: tl
 
 
 @triton.jit
-def kda_chunk_wy_kernel(
-    kd,
-    v,
-    beta,
-    Ai,
-    rnorm,
-    w,
-    u,
-    cu_seqlens,
-    chunk_indices,
-    H: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
+def kda_chunk_wy_kernel(kd, v, beta, Ai, rnorm, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        SPLIT: tl.constexpr):  # fmt: skip
     """w and u of one chunk and head: all column slices in one program, or with SPLIT one slice per program (grid
     axis 2: the cdiv(K, BS) slices of w, then the cdiv(V, BS) of u)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)

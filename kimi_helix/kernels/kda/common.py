@@ -7,7 +7,7 @@ import torch
 
 from kimi_helix.kernels.common import check_device, check_shape
 
-__all__ = ["check_gate_args", "check_kda_inputs", "check_state"]
+__all__ = ["check_gate_args", "check_intermediate_states", "check_kda_inputs", "check_state"]
 
 
 def check_kda_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int]:
@@ -71,3 +71,18 @@ def check_state(
     if initial_state is not None:
         check_device("initial_state", initial_state, device)
     return initial_state
+
+
+def check_intermediate_states(
+    buf: torch.Tensor | None, wanted: bool, tokens: int, H: int, K: int, V: int, device: torch.device
+) -> None:
+    """The caller's buffer for the per-token states: a contiguous fp32 ``[tokens, H, K, V]`` on ``device``, given
+    only with ``return_intermediate_states`` (it is where they go)."""
+    if buf is None:
+        return
+    if not wanted:
+        raise ValueError("intermediate_states is the buffer of return_intermediate_states=True: pass both or neither")
+    check_shape("intermediate_states", buf, (tokens, H, K, V), "[B * T, H, K, V]")
+    if buf.dtype != torch.float32 or not buf.is_contiguous():
+        raise ValueError(f"intermediate_states must be a contiguous fp32 tensor, got {buf.dtype}")
+    check_device("intermediate_states", buf, device)

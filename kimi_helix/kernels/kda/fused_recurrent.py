@@ -18,7 +18,13 @@ import triton.language as tl
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
 from kimi_helix.kernels.device import triton_devices
-from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
+from kimi_helix.kernels.kda.common import (
+    check_gate_args,
+    check_intermediate_states,
+    check_kda_inputs,
+    check_state,
+)
+from kimi_helix.kernels.kda.jit import load_state, log_decay, state_tile
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
 
@@ -29,16 +35,6 @@ __all__ = ["CAPS", "fused_recurrent_kda_triton"]
 CAPS = OpCaps(triton_devices(), FLOATS, head_dims=(16, 256))
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _softplus(x):
-    """softplus with torch's threshold 20; log1p(e) as log(u) * e / (u - 1) cancels the rounding of u = 1 + e."""
-    e = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + e
-    d = u - 1.0
-    lp = tl.where(d == 0.0, e, tl.log(u) * (e / tl.where(d == 0.0, 1.0, d)))
-    return tl.where(x > 20.0, x, lp)
 
 
 @triton.jit
@@ -82,6 +78,7 @@ def fused_recurrent_kda_fwd_kernel(
     USE_QK_L2NORM: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
+    USE_BETA_SIGMOID: tl.constexpr,
 ):
     # A 1-d grid (CUDA caps the other axes at 65535) with the V-blocks of one head adjacent, so neighbouring
     # programs stream neighbouring columns of the same rows of the state.
@@ -93,17 +90,8 @@ def fused_recurrent_kda_fwd_kernel(
     i_h = i_nh % H
     bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
 
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_k = o_k < K
-    mask_v = o_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
-    off_kv = o_k[:, None] * V + o_v[None, :]
-
-    if USE_INITIAL_STATE:
-        b_h = tl.load(h0 + (slot * H + i_h) * (K * V) + off_kv, mask=mask_kv, other=0.0).to(tl.float32)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, o_v, mask_k, mask_v, mask_kv, off_kv = state_tile(i_v, K, V, BK, BV)
+    b_h = load_state(h0, slot, i_h, off_kv, mask_kv, H, K, V, BK, BV, USE_INITIAL_STATE)
     if GATE_IN_KERNEL:
         b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         b_bias = tl.load(dt_bias + i_h * K + o_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -114,13 +102,14 @@ def fused_recurrent_kda_fwd_kernel(
         b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=mask_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + t * stride_g_t + i_h * stride_g_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + t * stride_b_t + i_h * stride_b_h).to(tl.float32)
+        if USE_BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
         if USE_QK_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_q = b_q * scale
         if GATE_IN_KERNEL:
-            b_x = b_g + b_bias
-            b_g = lower_bound * tl.sigmoid(b_rate * b_x) if USE_LOWER_BOUND else -b_rate * _softplus(b_x)
+            b_g = log_decay(b_g + b_bias, b_rate, lower_bound, USE_LOWER_BOUND)
 
         b_h *= tl.exp(b_g)[:, None]
         # delta rule: store beta * (v - S^T k), the prediction error of the decayed memory for this key
@@ -137,12 +126,26 @@ def fused_recurrent_kda_fwd_kernel(
 
 def _config(N: int, H: int, V: int) -> tuple[int, int]:
     """(BV, num_warps). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences BV drops to 16 so
-    that more programs, hence more state loads, are in flight. On an H200 this reaches 3.66 TB/s of state traffic at
-    N=256 (86% of a copy); `scripts/bench_kda.py --phase decode --sweep` times the alternatives."""
+    that more programs, hence more state loads, are in flight (docs/benchmarks.md, KDA decode, has what this gives;
+    `scripts/bench_kda.py --phase decode --sweep` times the alternatives)."""
     bv = min(next_pow2(V), 32)
     if N * H * cdiv(V, bv) < 1024:
         bv = min(bv, 16)
     return bv, 4
+
+
+def _check_inputs(q, k, v, g, beta, cu_seqlens) -> int:
+    """Dtypes and devices of the inputs and the packed boundaries; returns N, the number of sequences."""
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name} dtype must be fp32, fp16 or bf16, got {t.dtype}")
+        check_device(name, t, q.device)
+    check_triton_device("q", q)
+    if cu_seqlens is None:
+        return q.shape[0]
+    N = check_cu_seqlens(cu_seqlens, q.shape[0])
+    check_device("cu_seqlens", cu_seqlens, q.device)
+    return N
 
 
 def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, int, int]:
@@ -155,7 +158,8 @@ def _token_major(name: str, x: torch.Tensor, ndim: int) -> tuple[torch.Tensor, i
     return x, x.stride(0), x.stride(1)
 
 
-# Twin of `naive.naive_recurrent_kda` (same signature and contract, plus the state pool and the in-kernel gate).
+# twin of kda/naive.py:naive_recurrent_kda (same signature and contract; chunk.py:chunk_kda_triton shares the
+# arguments but the verify ones) — a fix here belongs there too
 def fused_recurrent_kda_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,6 +176,8 @@ def fused_recurrent_kda_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    intermediate_states: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA in one kernel; the contract of ``naive_recurrent_kda`` plus a state pool and a fused gate.
 
@@ -198,6 +204,11 @@ def fused_recurrent_kda_triton(
             kernel applies ``kda_gate(f, A_log, dt_bias, lower_bound)``.
         dt_bias: see ``A_log``.
         lower_bound: negative bound of Kimi K3's sigmoid gate, or None for Kimi-Linear's softplus gate.
+        intermediate_states: with ``return_intermediate_states``, a preallocated contiguous fp32
+            ``[B * T, H, K, V]`` buffer the per-token states are written into (and which is returned), so that a
+            CUDA-graph replay writes to a static address; None allocates.
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits): the kernel applies ``sigmoid`` in
+            fp32 (no separate cast and sigmoid kernels).
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state)``: ``final_state`` is ``[N, H, K, V]`` fp32 (the pool itself with
@@ -205,21 +216,14 @@ def fused_recurrent_kda_triton(
         token order.
     """
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name} dtype must be fp32, fp16 or bf16, got {t.dtype}")
-        check_device(name, t, q.device)
-    check_triton_device("q", q)
-    N = B
-    if cu_seqlens is not None:
-        N = check_cu_seqlens(cu_seqlens, B)
-        check_device("cu_seqlens", cu_seqlens, q.device)
+    N = _check_inputs(q, k, v, g, beta, cu_seqlens)
     check_gate_args(A_log, dt_bias, lower_bound, H, K)
     if A_log is not None:
         A_log, dt_bias = A_log.reshape(H).contiguous(), dt_bias.reshape(H * K).contiguous()
     if state_indices is not None:
         check_index("state_indices", state_indices, N, q.device)
     initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
+    check_intermediate_states(intermediate_states, return_intermediate_states, B * T, H, K, V, q.device)
 
     q_, sqt, sqh = _token_major("q", q, 4)
     k_, skt, skh = _token_major("k", k, 4)
@@ -227,8 +231,8 @@ def fused_recurrent_kda_triton(
     g_, sgt, sgh = _token_major("g", g, 4)
     b_, sbt, sbh = _token_major("beta", beta, 3)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    states = None
-    if return_intermediate_states:
+    states = intermediate_states
+    if return_intermediate_states and states is None:
         states = torch.empty(B * T, H, K, V, dtype=torch.float32, device=q.device)
     final = None
     if output_final_state and state_indices is not None:
@@ -250,6 +254,7 @@ def fused_recurrent_kda_triton(
         USE_QK_L2NORM=use_qk_l2norm_in_kernel,
         GATE_IN_KERNEL=A_log is not None,
         USE_LOWER_BOUND=lower_bound is not None,
+        USE_BETA_SIGMOID=use_beta_sigmoid_in_kernel,
         num_warps=num_warps,
     )  # fmt: skip
     if return_intermediate_states:

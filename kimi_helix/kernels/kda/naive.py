@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kimi_helix.kernels.common import check_shape, gather_states, scatter_states, segment_bounds
-from kimi_helix.kernels.kda.common import check_kda_inputs
+from kimi_helix.kernels.kda.common import check_intermediate_states, check_kda_inputs
 
 __all__ = ["kda_gate", "l2norm", "naive_recurrent_kda", "naive_chunk_kda"]
 
@@ -153,7 +153,8 @@ def _recurrent_segment(q, k, v, g, beta, S, keep_states):
     return o, S, states
 
 
-# Same signature as `naive_chunk_kda` and the Triton twin `fused_recurrent.fused_recurrent_kda_triton`.
+# twin of kda/fused_recurrent.py:fused_recurrent_kda_triton (same signature and contract; naive_chunk_kda shares
+# the arguments but the verify ones) — a fix here belongs there too
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,6 +171,8 @@ def naive_recurrent_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    intermediate_states: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA reference.
 
@@ -192,20 +195,26 @@ def naive_recurrent_kda(
         return_intermediate_states: return every per-token state instead of the final one.
         A_log, dt_bias, lower_bound: when given, ``g`` is the raw gate pre-activation and the log-decay is
             ``kda_gate(g, A_log, dt_bias, lower_bound)``.
+        intermediate_states: with ``return_intermediate_states``, a contiguous fp32 ``[B * T, H, K, V]`` buffer
+            the per-token states are copied into and which is returned; None allocates.
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits); ``sigmoid`` is applied in fp32.
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``; with
         ``return_intermediate_states=True`` the second item is ``[B * T, H, K, V]`` fp32, the state after each
         token in packed token order (for rolling back speculative decoding).
     """
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta)
+    check_intermediate_states(intermediate_states, return_intermediate_states, B * T, H, K, V, q.device)
     fn = partial(_recurrent_segment, keep_states=return_intermediate_states)
     g = _log_decay(g, A_log, dt_bias, lower_bound)
+    beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta
     state = gather_states(initial_state, state_indices)
     o, final, states = _run(fn, q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens)
     if output_final_state and state_indices is not None:
         final = scatter_states(initial_state, state_indices, final)
     if return_intermediate_states:
-        return o, states
+        return o, states if intermediate_states is None else intermediate_states.copy_(states)
     return o, final if output_final_state else None
 
 
@@ -256,7 +265,8 @@ def _chunk_segment(q, k, v, g, beta, S, chunk_size):
     return o.transpose(1, 2), S, None
 
 
-# Same signature as `naive_recurrent_kda` and the Triton twin `chunk.chunk_kda_triton`: change them together.
+# twin of kda/chunk.py:chunk_kda_triton (same signature and contract; naive_recurrent_kda shares the arguments)
+# — a fix here belongs there too
 def naive_chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -273,6 +283,7 @@ def naive_chunk_kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     chunk_size: int = 64,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked (WY / UT-transform) KDA reference; same arguments and results as :func:`naive_recurrent_kda`.
 
@@ -293,7 +304,7 @@ def naive_chunk_kda(
     Args:
         q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.  g: ``[B, T, H, K]`` log-decay.  beta: ``[B, T, H]``.
         scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state_indices, A_log,
-            dt_bias, lower_bound: as in :func:`naive_recurrent_kda`.
+            dt_bias, lower_bound, use_beta_sigmoid_in_kernel: as in :func:`naive_recurrent_kda`.
         chunk_size: tokens per chunk (64 in fla).
 
     Returns:
@@ -303,6 +314,7 @@ def naive_chunk_kda(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     fn = partial(_chunk_segment, chunk_size=chunk_size)
     g = _log_decay(g, A_log, dt_bias, lower_bound)
+    beta = beta.float().sigmoid() if use_beta_sigmoid_in_kernel else beta
     state = gather_states(initial_state, state_indices)
     o, final, _ = _run(fn, q, k, v, g, beta, scale, state, use_qk_l2norm_in_kernel, cu_seqlens)
     if output_final_state and state_indices is not None:

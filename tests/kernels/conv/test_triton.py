@@ -91,6 +91,48 @@ def test_update_matches_naive(dtype, pooled):
         assert torch.equal(state[[0, 3, 5]], before[[0, 3, 5]])
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("pooled", [False, True], ids=["dense", "pool"])
+def test_update_channel_groups_equal_concatenation(groups, pooled):
+    """q, k and v as separate inputs and weights (strided, as slices of wider projections) give the conv of their
+    concatenation, and the state of the concatenated channels."""
+    N = 3
+    wide = rnd(N, groups, D + 8, seed=30)
+    xs = [wide[:, i, :D] for i in range(groups)]
+    ws = [rnd(D, W, seed=31 + i) for i in range(groups)]
+    slots = torch.tensor([4, 1, 2], device=DEVICE) if pooled else None
+    state = rnd(6 if pooled else N, W - 1, groups * D, seed=35)
+    before = state.clone()
+    y = causal_conv1d_update_triton(xs, state, ws, state_indices=slots)
+    rows = slots if pooled else torch.arange(N, device=DEVICE)
+    dense = before[rows].clone()
+    y_ref = causal_conv1d_update(torch.cat(xs, -1), dense, torch.cat(ws))
+    assert_rel_close("y", y, y_ref, 1e-5)
+    assert torch.equal(state[rows], dense)
+    y_naive = causal_conv1d_update(xs, before[rows].clone(), ws)
+    assert torch.equal(y_naive, y_ref)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["batch", "varlen_pool"])
+def test_prefill_channel_groups_equal_concatenation(pooled):
+    """q, k, v as channel groups (strided slices) of a prefill or verify conv: the conv of their concatenation,
+    the cache of the concatenated channels."""
+    B, T = (1, sum(LENS)) if pooled else (2, 7)
+    wide = rnd(B, T, 3, D + 8, seed=40)
+    xs, ws = [wide[:, :, i, :D] for i in range(3)], [rnd(D, W, seed=43 + i) for i in range(3)]
+    slots = torch.tensor([7, 0, 3, 5, 1, 2], device=DEVICE) if pooled else None
+    pool = rnd(8, W - 1, 3 * D, seed=46) if pooled else None
+    before = pool.clone() if pooled else None
+    kw = dict(output_final_state=True, cu_seqlens=cu(LENS) if pooled else None)
+    y, s = causal_conv1d_triton(xs, ws, initial_state=pool, state_indices=slots, **kw)
+    x_cat, w_cat = torch.cat(xs, -1), torch.cat(ws)
+    y_ref, s_ref = causal_conv1d(x_cat, w_cat, initial_state=before[slots] if pooled else None, **kw)
+    assert_rel_close("y", y, y_ref, 1e-5)
+    assert torch.equal(s[slots] if pooled else s, s_ref)
+    if pooled:
+        assert torch.equal(pool[[4, 6]], before[[4, 6]])
+
+
 def test_prefill_then_decode():
     T = 9
     x, w = rnd(2, T, D, seed=15), rnd(D, W, seed=16)
@@ -133,3 +175,10 @@ def test_bad_arguments_raise():
         causal_conv1d_update_triton(x[:, 0], rnd(4, W - 1, D, seed=0), w, state_indices=torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="conv_state"):
         causal_conv1d_update_triton(x[:, 0], rnd(3, W - 1, D, seed=0), w)
+    s = rnd(2, W - 1, 2 * D, seed=0)
+    with pytest.raises(ValueError, match="as many channel groups"):
+        causal_conv1d_update_triton([x[:, 0], x[:, 1]], s, [w])
+    with pytest.raises(ValueError, match="one shape"):
+        causal_conv1d_update_triton([x[:, 0], x[:, 1, :-1]], s, [w, w])
+    with pytest.raises(ValueError, match="at most 3"):
+        causal_conv1d_update_triton([x[:, 0]] * 4, rnd(2, W - 1, 4 * D, seed=0), [w] * 4)

@@ -138,3 +138,31 @@ def test_recurrent_gpu_parity_with_fla(lower_bound):
     )
     assert_rel_close("o vs fla", o, o_f, TOL[torch.bfloat16])
     assert_rel_close("final_state vs fla", s, s_f.float(), TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_verify_beta_logits_into_buffer():
+    """A verify step as the model records it: beta's bf16 logits (sigmoid in the kernel), every per-token state
+    written into a caller's NaN-filled buffer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    Hr, Kr, lens = 32, 128, [4] * 16
+    q, k, v, f, _, pool, A_log, dt_bias = make_recurrent_inputs(
+        1, 64, seed=13, dtype=torch.bfloat16, h=Hr, k=Kr, v=Kr, n_states=20, raw_gate=True
+    )
+    logits = (torch.randn(1, 64, Hr, device=DEVICE) * 3.0).bfloat16()
+    slots = torch.randperm(20, device=DEVICE)[:16]
+    before = pool.clone()
+    buf = torch.full((64, Hr, Kr, Kr), float("nan"), device=DEVICE)
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens), A_log=A_log, dt_bias=dt_bias)
+    o, states = fused_recurrent_kda_triton(
+        q, k, v, f, logits, initial_state=pool, state_indices=slots, output_final_state=True,
+        return_intermediate_states=True, intermediate_states=buf, use_beta_sigmoid_in_kernel=True, **kw,
+    )  # fmt: skip
+    o_ref, states_ref = naive_recurrent_kda(
+        q, k, v, f, torch.sigmoid(logits.float()), initial_state=before[slots], return_intermediate_states=True, **kw
+    )
+    assert states is buf
+    assert_rel_close("verify o", o, o_ref, TOL[torch.bfloat16])
+    assert_rel_close("verify states", buf, states_ref, 1e-4)
+    assert_rel_close("pool slots", pool[slots], states_ref[3::4], 1e-4)

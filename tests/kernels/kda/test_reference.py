@@ -159,11 +159,17 @@ def test_intermediate_states(varlen):
     )
     assert states.shape == (q.shape[0] * q.shape[1], H, K, V) and states.dtype == torch.float32
     assert torch.equal(o, o_plain)
+    buf = torch.full_like(states, float("nan"))
+    kw |= dict(initial_state=s0, cu_seqlens=cu, return_intermediate_states=True)
+    _, into = naive_recurrent_kda(q, k, v, g, beta, intermediate_states=buf, **kw)
+    assert into is buf and torch.equal(buf, states)
     for n, b, start, end, offset in seqs:
         assert_rel_close(f"last state[seq {n}]", states[offset + end - 1], s_final[n], 1e-6)
         for t in range(start, end):
             x = [a[b : b + 1, start : t + 1] for a in (q, k, v, g, beta)]
-            _, s_t = naive_recurrent_kda(*x, initial_state=s0[n : n + 1], output_final_state=True, **kw)
+            _, s_t = naive_recurrent_kda(
+                *x, initial_state=s0[n : n + 1], output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
             assert_rel_close(f"states[{offset + t}]", states[offset + t], s_t[0], 1e-6)
 
 
@@ -296,3 +302,13 @@ def test_gate_computed_from_raw_preactivation(fn, lower_bound):
     assert torch.equal(actual, expected)
     with pytest.raises(ValueError, match="A_log and dt_bias must be given together"):
         fn(q, k, v, f, beta, A_log=A_log)
+
+
+@pytest.mark.parametrize("fn", [naive_recurrent_kda, naive_chunk_kda], ids=["recurrent", "chunk"])
+def test_beta_logits(fn):
+    """use_beta_sigmoid_in_kernel: beta's bf16 logits in, the sigmoid taken in fp32, as the model did on the host."""
+    q, k, v, g, _, _ = make_reference_inputs(2, 7, seed=15)
+    logits = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(16)).mul(3.0).bfloat16()
+    expected = fn(q, k, v, g, torch.sigmoid(logits.float()), use_qk_l2norm_in_kernel=True)[0]
+    actual = fn(q, k, v, g, logits, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)[0]
+    assert torch.equal(actual, expected)

@@ -203,6 +203,19 @@ def test_chunk_gate_in_kernel(lower_bound, chunk_size):
     assert_rel_close("final_state", s, s_r, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fn", [chunk_kda_triton, fused_recurrent_kda_triton], ids=["chunk", "recurrent"])
+def test_beta_logits(fn, dtype):
+    """use_beta_sigmoid_in_kernel: beta's logits in (in the input dtype), the fp32 sigmoid taken by the kernels."""
+    q, k, v, f, _, s0, A_log, dt_bias = make_recurrent_inputs(1, 20, seed=17, dtype=dtype, raw_gate=True)
+    logits = (torch.randn(1, 20, H_R, generator=torch.Generator().manual_seed(18)) * 3.0).to(DEVICE, dtype)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    o, s = fn(q, k, v, f, logits, use_beta_sigmoid_in_kernel=True, **kw)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, f, torch.sigmoid(logits.float()), **kw)
+    assert_rel_close("o", o, o_ref, TOL[dtype])
+    assert_rel_close("final_state", s, s_ref, 1e-5 if dtype == torch.float32 else TOL[dtype])
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.usefixtures("intra_path")
 def test_strong_gates_stay_finite(chunk_size):
@@ -355,20 +368,25 @@ def test_recurrent_state_pool_in_place(output_final_state):
         assert ret is None and torch.equal(pool, before)
 
 
+@pytest.mark.parametrize("buffer", [False, True], ids=["allocated", "into_buffer"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_intermediate_states_equal_decode_steps(varlen):
-    """Verify (T = k + 1 tokens at once) returns every per-token state; decoding token by token reproduces them."""
+def test_intermediate_states_equal_decode_steps(varlen, buffer):
+    """Verify (T = k + 1 tokens at once) returns every per-token state, in a NaN-filled caller buffer when one is
+    given (`intermediate_states`, for graph replay); decoding token by token reproduces them."""
     lens = [4, 2, 5] if varlen else [4, 4]
     B, T = (1, sum(lens)) if varlen else (2, 4)
     q, k, v, g, beta, pool, _, _ = make_recurrent_inputs(B, T, seed=5, n_states=6)
     slots = torch.tensor([4, 1, 2][: len(lens)], device=DEVICE)
     start = pool.clone()
+    buf = torch.full((B * T, H_R, K_R, V_R), float("nan"), device=DEVICE) if buffer else None
     kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(lens) if varlen else None)
     o, states = fused_recurrent_kda_triton(
         q, k, v, g, beta, initial_state=pool, state_indices=slots, output_final_state=True,
-        return_intermediate_states=True, **kw,
+        return_intermediate_states=True, intermediate_states=buf, **kw,
     )  # fmt: skip
     assert states.shape == (B * T, H_R, K_R, V_R)
+    if buffer:
+        assert states is buf
     flat = [t.flatten(0, 1) for t in (q, k, v, g, beta)]
     offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
     for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -438,3 +456,8 @@ def test_recurrent_bad_arguments_raise():
         fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log)
     with pytest.raises(ValueError, match="lower_bound"):
         fused_recurrent_kda_triton(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=1.0)
+    buf = torch.zeros(4, H_R, K_R, V_R, device=DEVICE)
+    with pytest.raises(ValueError, match="return_intermediate_states"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, intermediate_states=buf)
+    with pytest.raises(ValueError, match="intermediate_states must have shape"):
+        fused_recurrent_kda_triton(q, k, v, g, beta, return_intermediate_states=True, intermediate_states=buf[:3])
