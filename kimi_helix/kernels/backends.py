@@ -252,8 +252,9 @@ def op_backend(op: str, x: torch.Tensor, head_dim: int = 0, forced: str | None =
 class BackendChoice:
     """The backends one model is forced to, read once when the model or `LLM` is built and passed to its ops.
 
-    `attention` forces MLA attention ("torch", "triton", "sdpa"); `kernels` forces KDA, the short conv, the gated
-    norm and the MoE experts ("torch", "triton"). None: automatic, per call, from the declared capabilities.
+    `attention` forces MLA attention ("torch", "triton", "sdpa"); `kernels` forces KDA, the short conv, the norms,
+    rotary, the router and the MoE experts ("torch", "triton"). None: automatic, per call, from the declared
+    capabilities. The projections' `linear` is always automatic: its Triton GEMV serves decode sizes only.
     """
 
     attention: str | None = None

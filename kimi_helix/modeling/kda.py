@@ -13,15 +13,15 @@ and the memory stay as they were (see `_packed_weight`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.backends import BackendChoice
 from ..kernels.conv import causal_conv1d, causal_conv1d_update
 from ..kernels.kda import chunk_kda, fused_recurrent_kda
+from ..kernels.linear import linear
 from .batch import ForwardBatch, Phase, PhaseRun
 from .config import KimiK3Config
-from .layers import GatedRMSNorm
+from .layers import GatedRMSNorm, Linear, plain_linear
 
 # Devices on which the x projections run as one GEMM over a packed weight (`KimiDeltaAttention._packed_weight`).
 PACK_DEVICES = ("cuda",)
@@ -40,13 +40,6 @@ def _row_blocks_of(packed: torch.Tensor, ws: list[torch.Tensor]) -> bool:
     return start == packed.numel()
 
 
-def _plain_linear(lin: nn.Module, x: torch.Tensor) -> bool:
-    """Whether one GEMM with `lin`'s weight computes `lin(x)`: a bias-free `nn.Linear` (not a subclass or a
-    wrapper), no forward hooks (accelerate's included), its weight on x's device."""
-    hooked = lin._forward_hooks or lin._forward_pre_hooks or hasattr(lin, "_hf_hook")
-    return type(lin) is nn.Linear and lin.bias is None and not hooked and lin.weight.device == x.device
-
-
 class KimiDeltaAttention(nn.Module):
     """KDA layer (`self_attn` of a linear-attention layer). Tensor names follow Kimi-Linear checkpoints."""
 
@@ -58,26 +51,26 @@ class KimiDeltaAttention(nn.Module):
         self.conv_size = w = config.conv_kernel_size
         self.gate_lower_bound = config.gate_lower_bound
         d, p = config.hidden_size, h * k
-        self.q_proj = nn.Linear(d, p, bias=False)
-        self.k_proj = nn.Linear(d, p, bias=False)
-        self.v_proj = nn.Linear(d, p, bias=False)
+        self.q_proj = Linear(d, p)
+        self.k_proj = Linear(d, p)
+        self.v_proj = Linear(d, p)
         # Weight holders only (the conv runs in `kernels.conv`): nn.Conv1d gives checkpoints' [P, 1, W] layout.
         self.q_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
         self.k_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
         self.v_conv1d = nn.Conv1d(p, p, w, groups=p, bias=False)
         self.A_log = nn.Parameter(torch.empty(1, 1, h, 1))
         self.dt_bias = nn.Parameter(torch.empty(p))
-        self.f_a_proj = nn.Linear(d, k, bias=False)
-        self.f_b_proj = nn.Linear(k, p, bias=False)
-        self.b_proj = nn.Linear(d, h, bias=False)
+        self.f_a_proj = Linear(d, k)
+        self.f_b_proj = Linear(k, p)
+        self.b_proj = Linear(d, h)
         self.use_full_rank_gate = config.use_full_rank_gate
         if self.use_full_rank_gate:
-            self.g_proj = nn.Linear(d, p, bias=False)
+            self.g_proj = Linear(d, p)
         else:
-            self.g_a_proj = nn.Linear(d, k, bias=False)
-            self.g_b_proj = nn.Linear(k, p, bias=False)
+            self.g_a_proj = Linear(d, k)
+            self.g_b_proj = Linear(k, p)
         self.o_norm = GatedRMSNorm(k, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(p, d, bias=False)
+        self.o_proj = Linear(p, d)
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
         self._packed: torch.Tensor | None = None  # the x projections' one weight, see `_packed_weight`
         self._packings = 0
@@ -99,7 +92,7 @@ class KimiDeltaAttention(nn.Module):
         """One weight [sum of outputs, d] whose row blocks the x projections' weights are views of, packed on the
         first call that can use it; None where the separate GEMMs run instead: off `PACK_DEVICES` (the packing
         only saves launches, and safetensors refuses to save CPU tensors that share storage), when autograd is on
-        for the weights, where a projection is not a plain `nn.Linear` (`_plain_linear`: a hook or wrapper must
+        for the weights, where a projection is not a plain `nn.Linear` (`layers.plain_linear`: a hook or wrapper must
         run), during a CUDA-graph capture that finds nothing packed, or once the weights were replaced
         again after a repacking (a hook that swaps them on every call, as accelerate's offloading does, would
         otherwise keep a packed copy alive)."""
@@ -112,7 +105,7 @@ class KimiDeltaAttention(nn.Module):
         if self._packed is not None and key == self._packed_key:
             return self._packed
         self._packed = None
-        if self._packings == _MAX_PACKINGS or not all(_plain_linear(lin, x) for lin in linears):
+        if self._packings == _MAX_PACKINGS or not all(plain_linear(lin, x) for lin in linears):
             return None
         if any(w.dtype != ws[0].dtype for w in ws):
             return None
@@ -135,7 +128,8 @@ class KimiDeltaAttention(nn.Module):
         packed = self._packed_weight(x)
         if packed is None:
             return [lin(x) for lin in linears]
-        return list(F.linear(x, packed).split([lin.weight.shape[0] for lin in linears], dim=-1))
+        y = linear(x, packed)  # automatic, as `layers.Linear`: the Triton GEMV at decode sizes
+        return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d].

@@ -1,4 +1,4 @@
-"""Small shared building blocks: RMS norms, the SwiGLU MLP and rotary embeddings."""
+"""Small shared building blocks: bias-free linear layers, RMS norms, the SwiGLU MLP and rotary embeddings."""
 
 from __future__ import annotations
 
@@ -7,9 +7,40 @@ from torch import nn
 
 from ..kernels.activation import silu_mul
 from ..kernels.backends import BackendChoice
+from ..kernels.linear import linear
 from ..kernels.norm import gated_rms_norm
 from ..kernels.norm.add_rms_norm import add_rms_norm
 from ..kernels.rotary import rotary
+
+
+class Linear(nn.Linear):
+    """A bias-free `nn.Linear` (same parameter, same checkpoint name) whose forward is the `linear` op: the Triton
+    GEMV for decode-sized calls on the GPU, the GEMM library otherwise. The choice is always automatic (a forced
+    `kernel_backend` does not reach it): the GEMV serves at most 16 rows, and prefill GEMMs belong to the library."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+        return linear(x, self.weight)
+
+
+def plain_linear(lin: nn.Module, x: torch.Tensor) -> bool:
+    """Whether reading `lin.weight` directly computes `lin(x)` (so several projections of x can share one launch):
+    a bias-free `nn.Linear` or `Linear` (no other subclass, no wrapper), no forward hooks (accelerate's included),
+    its weight on x's device."""
+    hooked = lin._forward_hooks or lin._forward_pre_hooks or hasattr(lin, "_hf_hook")
+    return type(lin) in (nn.Linear, Linear) and lin.bias is None and not hooked and lin.weight.device == x.device
+
+
+def fused_projections(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
+    """`[lin(x) for lin in linears]` for x [..., d], in one `linear` launch (automatic backend, as `Linear`) where
+    every one is `plain_linear` (at most three)."""
+    if len(linears) > 3 or not all(plain_linear(lin, x) for lin in linears):
+        return [lin(x) for lin in linears]
+    y = linear(x, [lin.weight for lin in linears])
+    return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
 class RMSNorm(nn.Module):
@@ -52,13 +83,14 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size)
+        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), backend=self.backends.kernels))
+        gate, up = fused_projections(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(silu_mul(gate, up, backend=self.backends.kernels))
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, backend: str | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 from ..kernels.backends import BackendChoice
 from .batch import ForwardBatch
 from .config import KimiK3Config
-from .layers import RMSNorm, apply_rotary
+from .layers import Linear, RMSNorm, apply_rotary, fused_projections
 from .paged_mla import absorb_query, paged_mla_attention, unabsorb_output
 
 
@@ -99,23 +99,25 @@ class MLAttention(nn.Module):
         self.q_lora = config.q_lora_rank is not None
         self.output_gate = config.mla_use_output_gate
         if not self.q_lora:
-            self.q_proj = nn.Linear(d, h * (self.nope + self.rope), bias=False)
+            self.q_proj = Linear(d, h * (self.nope + self.rope))
         else:
-            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, config.q_lora_rank)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank)  # eps 1e-6, as in Kimi/DeepSeek
-            self.q_b_proj = nn.Linear(config.q_lora_rank, h * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, h * (self.nope + self.rope))
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope + self.v_dim))
         if config.mla_use_output_gate:
-            self.g_proj = nn.Linear(d, h * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+            self.g_proj = Linear(d, h * self.v_dim)
+        self.o_proj = Linear(h * self.v_dim, d)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries [T, H, nope + rope] and new cache latents [T, r + rope] for packed tokens x [T, d]."""
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        first = self.q_a_proj if self.q_lora else self.q_proj  # both read x: one launch at decode sizes
+        q, ckv = fused_projections(x, [first, self.kv_a_proj_with_mqa])
+        q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q
         q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c, k_pe = ckv.split([self.kv_lora_rank, self.rope], dim=-1)
         if self.use_rope:
             rotate = functools.partial(apply_rotary, theta=self.rope_theta, backend=self.backends.kernels)
             q = torch.cat([q[..., : self.nope], rotate(q[..., self.nope :], positions)], -1)
