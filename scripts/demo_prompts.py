@@ -19,19 +19,20 @@ from prepare_corpus import MANIFEST, collect_documents, is_heldout
 SPLITS = ("train", "heldout")
 
 
-def split_documents(split: str) -> list[str]:
-    """The texts of the corpus documents in `split` ("train" or "heldout") found in this interpreter's stdlib."""
+def split_documents(split: str) -> list[tuple[str, str]]:
+    """(relative path, text) of the corpus documents in `split` ("train" or "heldout") in this interpreter's
+    stdlib."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     percent = json.loads(Path(MANIFEST).read_text())["heldout_percent"]
     docs = collect_documents(Path(sysconfig.get_paths()["stdlib"]))
-    return [text for path, text in docs if is_heldout(path, percent) == (split == "heldout")]
+    return [(path, text) for path, text in docs if is_heldout(path, percent) == (split == "heldout")]
 
 
 def corpus_prompts(tokenizer, split: str, num: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
     """`num` prompts of exactly `prompt_len` token ids, each starting at a random non-blank line of a document of
     `split`, documents drawn in proportion to their length (seeded: the same prompts on every call)."""
-    texts = [t for t in split_documents(split) if t.strip()]
+    texts = [text for _, text in split_documents(split) if text.strip()]
     if not texts:
         raise ValueError(f"no {split} documents of the demo corpus in this interpreter's standard library")
     ends = []
