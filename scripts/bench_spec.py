@@ -115,7 +115,8 @@ def heldout_prompts(args, model_dir: Path, vocab: int) -> list[list[int]]:
         from demo_prompts import corpus_prompts
 
         return corpus_prompts(tokenizer, "heldout", args.num_prompts, args.prompt_len, args.seed)
-    ids = [t for ln in args.prompts.read_text().splitlines() if ln.strip() for t in tokenizer(ln).input_ids]
+    lines = [ln for ln in args.prompts.read_text().splitlines() if ln.strip()]
+    ids = [t for ln in lines for t in tokenizer(ln, add_special_tokens=False).input_ids]
     ids = ids[len(ids) * 9 // 10 :]
     stride = max(1, (len(ids) - args.prompt_len) // args.num_prompts)
     prompts = [ids[i : i + args.prompt_len] for i in range(0, len(ids) - args.prompt_len + 1, stride)]

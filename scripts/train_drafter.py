@@ -16,8 +16,8 @@ blocks (fp32 weights, autocast to a bf16 / fp16 target's dtype). The embedding a
 frozen. With `--steps 0` (the default) the run is sized from the timed first steps to end inside `--max-minutes`
 (counted from the start, generation included), and it stops at that budget in any case.
 
-Every `--save-every` steps (and at the end) `OUT/checkpoint/` holds the drafter, the optimizer and the step, so
-`--resume` continues exactly; `OUT/` holds the finished drafter in the target's dtype (config.json and
+Every `--save-every` steps (and at the end) `OUT/checkpoint/` (or `--ckpt-dir`) holds the drafter, the optimizer
+and the step, so `--resume` continues exactly; `OUT/` holds the finished drafter in the target's dtype (config.json and
 model.safetensors, without the shared embedding and head). The last line printed is the greedy tau at
 `--eval-k` on held-out prompts (`heldout_tau`).
 """
@@ -57,12 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument("--smoke", action="store_true", help="a tiny random target on the CPU, a few quick steps")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the drafter is written")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--ckpt-dir", type=Path, metavar="DIR", help="the resumable checkpoint (default: OUT/checkpoint)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     p.add_argument("--prompts", type=Path, help="a text file of prompts (default: the demo corpus' train split)")
     p.add_argument("--steps", type=int, default=0, help="0: as many as --max-minutes allows")
     p.add_argument("--max-minutes", type=float, default=6.0, help="time budget of the whole run (it stops there)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--gen-batch-size", type=int, default=256, help="sequences the target continues at once")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--gen-batch-size", type=int, default=512, help="sequences the target continues at once")
     p.add_argument("--num-sequences", type=int, default=4096, help="target-generated sequences to train on")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=128)
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + 60 * args.max_minutes
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_out_dir(args.out)
-    ckpt = args.out / "checkpoint"
+    ckpt = args.ckpt_dir or args.out / "checkpoint"
     target, tokenizer = load_target(args, device)
     for p in target.parameters():
         p.requires_grad_(False)
