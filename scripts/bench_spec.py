@@ -11,9 +11,10 @@ Prompts are held out from the drafter's training: lines of the held-out split of
 size in `--batch-sizes`: the prompts run `batch` at a time, greedy, `--max-tokens` new tokens each (EOS ignored,
 so every case decodes the same number of tokens), after one untimed warm-up call.
 
-Per case: tokens/s (generated tokens over the wall clock of the timed `generate` calls) and the speedup over plain
-decoding at the same batch size; for speculative cases tau (tokens per verify round, the bonus token included) and
-acceptance by position, from `LLM.speculative.metrics`; and `identical`, how many prompts' outputs equal plain
+Per case: tokens/s (generated tokens over the wall clock of the timed `generate` calls), the speedup over plain
+decoding at the same batch size and tokens per engine step (the batch size for plain decoding); for speculative
+cases tau (tokens per verify round, the bonus token included; None when no step had drafts) and acceptance by
+position, from `LLM.speculative.metrics`; and `identical`, how many prompts' outputs equal plain
 decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager` is the same engine with
 `enforce_eager` (speculative steps run eagerly for now). Rows (with gpu, date and commit) are appended to
 benchmarks/results/spec.jsonl (or --out); a table ends the run.
@@ -159,12 +160,12 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
     tokens = sum(len(o) for o in outputs)
     steps = llm.metrics[first_step:]
     row = dict(method=method, k=k if spec else 0, batch_size=batch, tokens=tokens, seconds=round(seconds, 4),
-               tokens_per_s=round(tokens / seconds, 1), steps=len(steps),
-               ms_per_step=round(1e3 * sum(s.seconds for s in steps) / max(len(steps), 1), 3))  # fmt: skip
+               tokens_per_s=round(tokens / seconds, 1), steps=len(steps), tokens_per_step=round(tokens / len(steps), 3),
+               ms_per_step=round(1e3 * sum(s.seconds for s in steps) / len(steps), 3))  # fmt: skip
     if llm.speculative is not None:
         m = llm.speculative.metrics
-        row.update(tau=round(m.tau, 3), rounds=m.rounds, acceptance_by_position=[round(a, 3) for a in
-                   m.acceptance_by_position])  # fmt: skip
+        accept = [round(a, 3) for a in m.acceptance_by_position]
+        row.update(tau=round(m.tau, 3) if m.rounds else None, rounds=m.rounds, acceptance_by_position=accept)
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -186,15 +187,17 @@ def cases(args, drafter) -> list[tuple[str, int]]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'tau':>7}{'same':>7}  acceptance by position"
+    head = (f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'tok/step':>9}{'tau':>7}{'same':>7}"
+            "  acceptance by position")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in sorted(rows, key=lambda r: (r["batch_size"], METHODS.index(r["method"]), r["k"])):
-        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         accept = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", []))
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['num_prompts']}"
-        print(f"{r['method']:<12}{r['k']:>3}{r['batch_size']:>7}{r['tokens_per_s']:>10.1f}{speed:>9}{tau:>7}"
+        print(f"{r['method']:<12}{r['k']:>3}{r['batch_size']:>7}{r['tokens_per_s']:>10.1f}{speed:>9}"
+              f"{r['tokens_per_step']:>9.2f}{tau:>7}"
               f"{same:>7}  {accept}")  # fmt: skip
 
 

@@ -39,8 +39,10 @@ def test_smoke_run_writes_one_row_per_case_and_matches_plain(bench, tmp_path, ca
         assert r["tokens"] == r["num_prompts"] * r["max_tokens"] and r["tokens_per_s"] > 0
         assert r["identical"] == r["num_prompts"]  # speculative greedy output == plain greedy output
     assert rows[0]["speedup"] == 1.0 and "tau" not in rows[0]
+    assert rows[0]["tokens_per_step"] == 2.0  # plain: a token per sequence a step (the prefill samples the first)
     for r in rows[1:]:
-        assert r["rounds"] > 0 and 1 <= r["tau"] <= 3 and len(r["acceptance_by_position"]) <= 2
+        assert r["rounds"] == 0 or 1 <= r["tau"] <= 3 and len(r["acceptance_by_position"]) <= 2
+        assert 2 <= r["tokens_per_step"] <= 2 * 3
         assert all(0 <= a <= 1 for a in r["acceptance_by_position"])
     table = capsys.readouterr().out
     assert "acceptance by position" in table and "dspark" in table and "2/2" in table
