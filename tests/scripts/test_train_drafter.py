@@ -76,8 +76,9 @@ def test_steps_0_sizes_the_run_from_the_timed_steps(train_module, tmp_path, caps
 
 
 def test_replay_rounds_follows_the_acceptance_chain(train_module):
-    # anchor 0: 2 drafts match -> emits 3, next anchor 3; anchor 3: 0 match -> emits 1; anchor 4: 5 (capped at k=3)
-    rounds, emitted, accepted_at = train_module.replay_rounds([2, 9, 9, 0, 5, 9, 9, 9, 9], k=3)
+    # anchor 0: 2 match -> emits 3, next anchor 3: 0 match -> emits 1, anchor 4: 5 match, capped at k=3 -> emits 4,
+    # next anchor 8: past the end
+    rounds, emitted, accepted_at = train_module.replay_rounds([2, 9, 9, 0, 5, 9, 9, 9], k=3)
     assert (rounds, emitted, accepted_at) == (3, 3 + 1 + 4, [2, 2, 1])
     assert train_module.replay_rounds([0, 0, 0], k=2) == (3, 3, [0, 0])
 
