@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -38,9 +39,11 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # demo_prompts, also when loaded by path
 
 from kimi_helix.assets import demo_model_dir
+from kimi_helix.kernels.backends import BackendChoice
 from kimi_helix.modeling import KimiK3ForCausalLM
 from kimi_helix.presets import get_preset
 from kimi_helix.speculative.dspark import DSparkConfig, DSparkDrafter, TargetFeatureCapture, default_target_layer_ids
+from kimi_helix.speculative.dspark import model as dspark_model
 from kimi_helix.speculative.dspark.loss import dspark_loss
 
 STATE_FILE = "train_state.json"
@@ -176,6 +179,25 @@ def build_drafter(args, target, device) -> DSparkDrafter:
     )
     torch.manual_seed(args.seed + 1)
     return DSparkDrafter(cfg).to(device)
+
+
+@contextlib.contextmanager
+def reference_kernels(drafter: DSparkDrafter):
+    """Run the drafter's norms, SwiGLU and rotary on their torch references inside the block.
+
+    On the GPU those ops dispatch to Triton kernels, which are forward-only: gradients would stop at each of them
+    and only the heads past the final norm would train. The target keeps its kernels (it runs without grad)."""
+    saved = [(m, m.backends) for m in drafter.modules() if isinstance(getattr(m, "backends", None), BackendChoice)]
+    rotary = dspark_model.apply_rotary
+    for m, choice in saved:
+        m.backends = BackendChoice(attention=choice.attention, kernels="torch")
+    dspark_model.apply_rotary = functools.partial(rotary, backend="torch")
+    try:
+        yield drafter
+    finally:
+        dspark_model.apply_rotary = rotary
+        for m, choice in saved:
+            m.backends = choice
 
 
 def autocast(target, device: torch.device):
@@ -341,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     sequences = generate_sequences(target, prompts, args, device, "target generates")
     drafter, optimizer, start = start_drafter(args, target, ckpt, device)
     capture = TargetFeatureCapture(target, drafter.config.target_layer_ids).attach()
-    step = train(args, drafter, optimizer, target, capture, sequences, start, deadline, ckpt, device)
+    with reference_kernels(drafter):
+        step = train(args, drafter, optimizer, target, capture, sequences, start, deadline, ckpt, device)
     if args.stop_at is not None and step == args.stop_at < args.steps:
         capture.detach()
         print(f"stopped at step {step} of {args.steps}; checkpoint in {ckpt} (continue with --resume)")

@@ -83,6 +83,26 @@ def test_replay_rounds_follows_the_acceptance_chain(train_module):
     assert train_module.replay_rounds([0, 0, 0], k=2) == (3, 3, [0, 0])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_every_drafter_parameter_learns_inside_reference_kernels(train_module, device):
+    """On the GPU the drafter's norms, SwiGLU and rotary would run forward-only Triton kernels; inside
+    `reference_kernels` every trainable parameter gets a gradient, and the choice is restored afterwards."""
+    args = train_module.parse_args(["--smoke", "--out", "unused", "--device", device])
+    target, _ = train_module.load_target(args, torch.device(device))
+    drafter = train_module.build_drafter(args, target, torch.device(device))
+    drafter.bind_target(target)
+    capture = train_module.TargetFeatureCapture(target, drafter.config.target_layer_ids).attach()
+    seqs = torch.randint(0, 100, (2, args.prompt_len + args.gen_len), device=device)
+    with train_module.reference_kernels(drafter):
+        assert drafter.norm.backends.kernels == "torch"
+        loss = train_module.train_step(drafter, target, capture, seqs, args, torch.Generator().manual_seed(0), device)
+        loss.total.backward()
+    assert drafter.norm.backends.kernels is None and "backend" not in getattr(train_module.dspark_model.apply_rotary,
+                                                                             "keywords", {})  # fmt: skip
+    trainable = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+
+
 def test_refuses_to_write_over_another_model(train, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3"}))
     with pytest.raises(SystemExit, match="not a DSpark drafter"):
