@@ -17,7 +17,8 @@ cases tau (tokens per verify round, the bonus token included; None when no step 
 position, from `LLM.speculative.metrics`; and `identical`, how many prompts' outputs equal plain
 decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager` is the same engine with
 `enforce_eager` (speculative steps run eagerly for now). Rows (with gpu, date and commit) are appended to
-benchmarks/results/spec.jsonl (or --out); a table ends the run.
+benchmarks/results/spec.jsonl (or --out); a table ends the run. A case that fails is written as a row with its
+`error` and the run goes on; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -192,6 +194,9 @@ def print_table(rows: list[dict]) -> None:
     print(head)
     print("-" * len(head))
     for r in sorted(rows, key=lambda r: (r["batch_size"], METHODS.index(r["method"]), r["k"])):
+        if "error" in r:
+            print(f"{r['method']:<12}{r['k']:>3}{r['batch_size']:>7}  failed: {r['error'][:80]}")
+            continue
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         accept = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", []))
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
@@ -222,18 +227,37 @@ def main(argv: list[str] | None = None) -> int:
         with JsonlWriter(args.out) as results:
             for batch in args.batch_sizes:
                 for method, k in cases(args, drafter):
-                    row, outputs = run_case(Path(model_dir), prompts, method, k, batch, drafter, args)
-                    base = plain.setdefault(batch, (row, outputs) if method == "plain" else None)
-                    row["speedup"] = None if base is None else round(row["tokens_per_s"] / base[0]["tokens_per_s"], 3)
-                    row["identical"] = None if base is None else sum(a == b for a, b in zip(outputs, base[1]))
+                    row = measured_row(Path(model_dir), prompts, method, k, batch, drafter, args, plain)
                     rows.append({**meta, **row})
                     results.write(rows[-1])
     print_table(rows)
-    differ = [r for r in rows if r["identical"] is not None and r["identical"] < r["num_prompts"]]
-    for r in differ:
-        print(f"note: {r['method']} k={r['k']} batch {r['batch_size']}: {r['num_prompts'] - r['identical']} "
-              "prompts differ from plain greedy", file=sys.stderr)  # fmt: skip
-    return 0
+    for r in rows:
+        where = f"{r['method']} k={r['k']} batch {r['batch_size']}"
+        if "error" in r:
+            print(f"error: {where}: {r['error']}", file=sys.stderr)
+        elif r["identical"] is not None and r["identical"] < r["num_prompts"]:
+            differ = r["num_prompts"] - r["identical"]
+            print(f"note: {where}: {differ} prompts differ from plain greedy", file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def measured_row(model_dir: Path, prompts, method: str, k: int, batch: int, drafter, args, plain: dict) -> dict:
+    """`run_case` with the speedup and identity against plain decoding at this batch size (`plain` keeps its
+    outputs); a case that raises becomes a row with its `error`, and the run goes on."""
+    try:
+        row, outputs = run_case(model_dir, prompts, method, k, batch, drafter, args)
+    except Exception as err:  # one broken case must not lose the others' rows
+        traceback.print_exc()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return dict(method=method, k=k, batch_size=batch, error=f"{type(err).__name__}: {str(err)[:300]}")
+    if method == "plain":
+        plain[batch] = (row, outputs)
+    base = plain.get(batch)
+    row["speedup"] = None if base is None else round(row["tokens_per_s"] / base[0]["tokens_per_s"], 3)
+    row["identical"] = None if base is None else sum(a == b for a, b in zip(outputs, base[1]))
+    return row
 
 
 if __name__ == "__main__":

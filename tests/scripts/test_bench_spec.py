@@ -48,6 +48,23 @@ def test_smoke_run_writes_one_row_per_case_and_matches_plain(bench, tmp_path, ca
     assert "acceptance by position" in table and "dspark" in table and "2/2" in table
 
 
+def test_a_failing_case_is_a_row_with_its_error_and_the_run_goes_on(bench, tmp_path, monkeypatch):
+    real = bench.run_case
+
+    def flaky(model_dir, prompts, method, k, batch, drafter, args):
+        if method == "ngram":
+            raise RuntimeError("no target forward ran")
+        return real(model_dir, prompts, method, k, batch, drafter, args)
+
+    monkeypatch.setattr(bench, "run_case", flaky)
+    out = tmp_path / "spec.jsonl"
+    assert bench.main(["--smoke", "--k", "1", "--batch-sizes", "1", "--num-prompts", "1", "--out", str(out)]) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["plain", "ngram", "dspark"]
+    assert rows[1]["error"] == "RuntimeError: no target forward ran" and "tokens_per_s" not in rows[1]
+    assert rows[2]["identical"] == 1 and "error" not in rows[2]
+
+
 def test_cases_run_plain_first_and_skip_dspark_without_a_drafter(bench, capsys):
     args = bench.parse_args(["--smoke", "--methods", "dspark", "ngram", "plain", "--k", "1", "3"])
     assert bench.cases(args, Path("drafter")) == [
