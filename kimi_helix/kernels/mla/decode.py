@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.mla.combine_triton import launch_combine, mla_decode_combine_kernel
 from kimi_helix.kernels.mla.decode_schedule import (
     D_SPLITS,
     MIN_WAVES,
@@ -40,7 +41,10 @@ try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or ne
 except ImportError:
     decode_wgmma = None
 
-__all__ = ["D_SPLITS", "MIN_WAVES", "CAPS", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
+__all__ = [
+    "CAPS", "D_SPLITS", "MIN_WAVES", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_combine_kernel",
+    "mla_decode_triton",
+]  # fmt: skip
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -330,40 +334,6 @@ def mla_decode_fwd_kernel(
     tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit
-def mla_decode_combine_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    lse_ptr,
-    num_rows,
-    num_splits,
-    DC: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
-    rows = rows.to(tl.int64)
-    dc = tl.arange(0, DC)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + rows * num_splits + s, mask=row_ok, other=float("-inf")))
-    # A split that saw no key has lse -inf and weight 0; a row whose splits all saw none stays zero with lse -inf.
-    m_off = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, DC], tl.float32)
-    for s in range(num_splits):
-        part = rows * num_splits + s
-        w = tl.exp(tl.load(part_lse_ptr + part, mask=row_ok, other=float("-inf")) - m_off)
-        denom += w
-        acc += w[:, None] * tl.load(part_out_ptr + part[:, None] * DC + dc[None, :], mask=row_ok[:, None], other=0.0)
-    has_keys = denom > 0
-    denom = tl.where(has_keys, denom, 1.0)
-    out = acc / denom[:, None]
-    tl.store(out_ptr + rows[:, None] * DC + dc[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + rows, tl.where(has_keys, m_off + tl.log(denom), float("-inf")), mask=row_ok)
-
-
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
 # launch spends more host time (two descriptors encoded per call: 40-150 us more than a gathered launch on the
 # H200's host) while saving little GPU time on small launches (at most 25 us below 2^24 in CUDA-graph replays, up to
@@ -563,42 +533,13 @@ def mla_decode_triton(
         )  # fmt: skip
     else:
         mla_decode_fwd_kernel[grid](
-            q,
-            kv_cache,
-            kv_c_desc,
-            kv_pe_desc,
-            kv_scale,
-            block_table,
-            cache_seqlens,
-            cu_seqlens_q,
-            kv_bounds,
-            part_out,
-            part_lse,
-            qk_scale,
-            N,
-            H,
-            num_head_blocks,
-            splits,
-            q.stride(0),
-            q.stride(1),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            block_table.stride(0),
-            PAGE_SIZE=page_size,
-            DC=kv_lora_rank,
-            DR=D - kv_lora_rank,
-            SEQS_POW2=next_pow2(N + 1),
-            COMPUTE_DTYPE=_TL_DTYPE[compute],
-            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
-            IS_FP8=kv_cache.dtype == FP8,
-            HAS_BOUNDS=kv_bounds is not None,
-            SPLIT=splits > 1,
-            USE_TMA=use_tma,
-            **cfg,
-        )
+            q, kv_cache, kv_c_desc, kv_pe_desc, kv_scale, block_table, cache_seqlens, cu_seqlens_q, kv_bounds,
+            part_out, part_lse, qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), kv_cache.stride(0),
+            kv_cache.stride(1), block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank,
+            SEQS_POW2=next_pow2(N + 1), COMPUTE_DTYPE=_TL_DTYPE[compute],
+            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", IS_FP8=kv_cache.dtype == FP8,
+            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, USE_TMA=use_tma, **cfg,
+        )  # fmt: skip
     if splits > 1:
-        block_r = 16
-        mla_decode_combine_kernel[(cdiv(T * H, block_r),)](
-            part_out, part_lse, out, lse, T * H, splits, DC=kv_lora_rank, BLOCK_R=block_r
-        )
+        launch_combine(part_out, part_lse, out, lse, num_sms(q.device.index))
     return out, lse
