@@ -3,6 +3,8 @@
     python scripts/bench_mla.py            # the full grid (H200: a few minutes)
     python scripts/bench_mla.py --quick    # a subset plus the target cases, for limited GPU time
     python scripts/bench_mla.py --smoke    # tiny shapes; runs on the CPU under the Triton interpreter
+    python scripts/bench_mla.py --b 1 8 --h 32 --s-q 1 --s-k 4096 --kv bf16 fp8 --backends triton --jobs 8
+                                           # a grid of its own, compiled first by 8 processes
 
 Each case is timed with triton.testing.do_bench (median) while rotating over several block tables into one large
 cache, so the latents come from HBM rather than L2. TB/s counts the latents read once plus q, out and lse; TFLOP/s
@@ -26,7 +28,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
-from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, run_metadata  # noqa: E402
+from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, precompile, run_metadata  # noqa: E402
 
 from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
 from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
@@ -104,6 +106,16 @@ def run_case(cache, b, h, s_q, backend, device, q_dtype):
     return ms, io_bytes / ms / 1e9, flops / ms / 1e9, graph_ms
 
 
+def _compile(case) -> None:
+    """Worker: one call of the Triton kernel at the case's shapes, so that Triton compiles and caches its variant."""
+    b, h, s_q, s_k, kv = case
+    device = torch.device("cuda")
+    cache = Cache(b, s_k, kv, device, torch.bfloat16)
+    q = torch.zeros(b * s_q, h, KV_LORA + ROPE, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(0, b * s_q + 1, s_q, dtype=torch.int32, device=device)
+    mla_decode_triton(q, cache.kv, cache.tables[0], cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
+
+
 def main(argv=None) -> list[dict]:
     """Run the benchmark; returns the records written."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +125,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     ap.add_argument("--backends", nargs="+", choices=("triton", "torch"), default=["triton", "torch"],
                     help="what to time (the torch reference only on cases of up to REF_MAX_B sequences)")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=1, help="processes that compile the Triton cases before timing")
     for key in GRID:
         ap.add_argument(f"--{key.replace('_', '-')}", nargs="+", type=str if key == "kv" else int, help="override")
     args = ap.parse_args(argv)
@@ -128,6 +141,9 @@ def main(argv=None) -> list[dict]:
     if not args.quick and "torch" in args.backends:
         runs += [(c, "torch") for c in (cases[:2] if args.smoke else [c for c in cases if c[0] <= REF_MAX_B])]
 
+    errors = precompile(_compile, [c for c, backend in runs if backend == "triton"], args.jobs, device)
+    if any(errors):
+        print("compile errors:", [e for e in errors if e], file=sys.stderr)
     copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
     matmul = matmul_tflops(device, n=128 if args.smoke else 8192)
     base = dict(run_metadata(), copy_tbps=round(copy, 3), matmul_tflops=round(matmul, 1))

@@ -80,13 +80,13 @@ def test_gpu_small_batch_many_splits(nan_empty, kv, lens, H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [5, 8])
-@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (32, 1), (16, 4)])
+@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (32, 1)])
 def test_gpu_fp8_multi_buffered_tiles(nan_empty, monkeypatch, stages, H, s_q):
     """fp8 schedules at 5 and 8 pipeline stages (Triton then keeps 2 and 3 TMA buffers: the next tiles' copies
     overlap this tile's work) against the reference, with split-KV and without."""
     _gpu()
     monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
-    for key in ((1, 16), (1, 32), (1, 64)):
+    for key in ((1, 16), (1, 32)):
         monkeypatch.setitem(decode.SCHEDULES, key, decode.SCHEDULES[key]._replace(num_stages=stages, tma=True))
     lens = [3001, 1, 64, 65, 700, 4096]
     args, _ = make_case(lens, [s_q] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
