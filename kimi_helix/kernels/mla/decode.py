@@ -269,12 +269,12 @@ def mla_decode_fwd_kernel(
     if tok0 >= q_hi:
         return
 
-    # Rows are (query token, head) pairs, each with its own number of visible keys.
+    # Rows are (query token, head) pairs, each with its own number of visible keys. From here to the split range:
+    # twin of kernels/mla/decode_wgmma.py:mla_decode_wgmma_kernel (same contract) — a fix here belongs there too.
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
-    # Rows, bounds and split range: twin of `decode_wgmma`'s kernel (same contract); a fix here goes there too.
     kv_len = tl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = tl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)

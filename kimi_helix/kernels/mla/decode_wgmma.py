@@ -15,8 +15,9 @@ This split beats both the Triton kernel and two warpgroups that split every tile
 deferred second half, the part-by-part refills, a cheaper softmax and (without split-KV) sequences taken longest
 first each gained on top (docs/benchmarks.md has the current times, docs/benchmark-history.md the steps).
 
-Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by `decode.mla_decode_combine_kernel`)
-for 16-bit q with a cache of the same dtype whose pages TMA can copy; `decode._wgmma_ok` says when it serves a call.
+Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by
+`combine_triton.mla_decode_combine_kernel`) for 16-bit q with a cache of the same dtype whose pages TMA can copy;
+`decode._wgmma_ok` says when it serves a call.
 Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/mla/test_gpu.py::test_gpu_wgmma_kernel` checks
 this one against the torch reference on the GPU, and a CPU test compiles it for sm_90.
 """
@@ -329,11 +330,12 @@ def mla_decode_wgmma_kernel(
     if tok0 >= q_hi:
         return
 
+    # From here to the split range: twin of kernels/mla/decode.py:mla_decode_fwd_kernel (same contract) — a fix
+    # here belongs there too.
     rows = gl.arange(0, BLOCK_M, layout=row_layout)
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
-    # Rows, bounds and split range: twin of `decode`'s Triton kernel (same contract); a fix here goes there too.
     kv_len = gl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
