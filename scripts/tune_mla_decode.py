@@ -168,7 +168,7 @@ def main(argv=None) -> list[dict]:
     meta = run_metadata()
     best = {}
     path = Path(args.out) / "tune_mla_decode.jsonl"
-    with JsonlWriter(path) as results:
+    with JsonlWriter(path, echo=sys.stderr) as results:
         for case in cases:
             b, h, s_q, s_k, kv = case
             key = tile_key(case)
