@@ -10,7 +10,7 @@ import torch
 
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["D_SPLITS", "MAX_SPLITS", "MIN_WAVES", "SCHEDULES", "SMALL_WAVES", "Schedule"]
+__all__ = ["D_SPLITS", "MAX_SMALL_SPLITS", "MAX_SPLITS", "MIN_WAVES", "SCHEDULES", "SMALL_WAVES", "Schedule"]
 
 # Programs per SM that the split count aims for by default: sequences of unequal length leave SMs idle at the end
 # of the last wave unless each SM gets several programs to balance over.
@@ -18,8 +18,10 @@ MIN_WAVES = 4
 # Programs per SM of a launch too small for long splits (`choose_num_kv_splits`): one wave of the two programs an SM
 # that the 16- and 32-row tiles' registers and shared memory allow.
 SMALL_WAVES = 2
-# The most splits of a sequence: each adds a [rows, kv_lora_rank] fp32 partial that the combine kernel reads back.
-MAX_SPLITS = 128
+# The most splits of a sequence, by FlashAttention's rule and in a small launch: each adds a [rows, kv_lora_rank]
+# fp32 partial that the combine kernel reads back.
+MAX_SPLITS = 64
+MAX_SMALL_SPLITS = 128
 
 # Latent column groups a schedule may ask for; each group is a tl.dot operand and needs >= 16 columns.
 D_SPLITS = (1, 2, 4)
@@ -76,7 +78,8 @@ def choose_num_kv_splits(
     FlashAttention's rule: wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within
     85% of the best. A launch that such splits leave short of one program per SM (a few sequences: decode at
     batch 1) is bound by the latency of each program's tiles, not by bandwidth, so it splits down to one tile a
-    split, for SMALL_WAVES programs an SM (see `small_launch_splits`). At most MAX_SPLITS splits.
+    split, for SMALL_WAVES programs an SM (see `small_launch_splits`). At most MAX_SPLITS splits, or
+    MAX_SMALL_SPLITS in a small launch.
     """
     min_waves = MIN_WAVES if min_waves is None else min_waves
     tiles = cdiv(max_kv, block_n)
@@ -95,8 +98,8 @@ def choose_num_kv_splits(
 
 def small_launch_splits(work: int, tiles: int, num_sms: int) -> int:
     """Splits of a launch too small to fill the SMs with long splits: SMALL_WAVES programs an SM where the `tiles`
-    tiles of a sequence allow (down to one tile a split), at most MAX_SPLITS."""
-    return max(1, min(tiles, MAX_SPLITS, cdiv(SMALL_WAVES * num_sms, work)))
+    tiles of a sequence allow (down to one tile a split), at most MAX_SMALL_SPLITS."""
+    return max(1, min(tiles, MAX_SMALL_SPLITS, cdiv(SMALL_WAVES * num_sms, work)))
 
 
 def choose_tiles(

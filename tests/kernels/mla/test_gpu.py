@@ -67,7 +67,7 @@ def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
                                          ([32768], 16), ([4096], 96)])  # fmt: skip
 def test_gpu_small_batch_many_splits(nan_empty, kv, lens, H):
     """Batch 1 and 8 at the kimi shapes take the small-launch splits (down to one 64-key tile a split, up to
-    MAX_SPLITS partials in the merge) and match the reference."""
+    MAX_SMALL_SPLITS partials in the merge) and match the reference."""
     _gpu()
     args, _ = make_case(lens, [1] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
                         kv_dtype=kv, seed=len(lens) + H)  # fmt: skip

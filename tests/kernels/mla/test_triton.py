@@ -237,7 +237,7 @@ def test_num_kv_splits_heuristic():
     # a split keeps at least min_split_tiles tiles: 8192 keys, 64-key tiles
     assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=4) == 32
     assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=8) == 16
-    assert decode.choose_num_kv_splits(1, 1 << 20, 64, 132) == decode_schedule.MAX_SPLITS  # many splits, capped
+    assert decode.choose_num_kv_splits(1, 1 << 20, 64, 132) == decode_schedule.MAX_SMALL_SPLITS  # capped
 
 
 def committed_splits(b, H, s_k, kv_bytes=2):
@@ -258,8 +258,8 @@ def test_small_batches_fill_the_sms(H, kv_bytes):
     for b, s_k in ((1, 4096), (8, 4096), (1, 32768)):
         rows, programs, splits = committed_splits(b, H, s_k, kv_bytes)
         tiles = s_k // 64
-        assert splits <= decode_schedule.MAX_SPLITS and s_k // splits >= 64  # at least one 64-key tile a split
-        one_tile_splits = b * decode.cdiv(H, rows) * min(tiles, decode_schedule.MAX_SPLITS)
+        assert splits <= decode_schedule.MAX_SMALL_SPLITS and s_k // splits >= 64  # at least one 64-key tile a split
+        one_tile_splits = b * decode.cdiv(H, rows) * min(tiles, decode_schedule.MAX_SMALL_SPLITS)
         assert programs >= min(one_tile_splits, 132), (b, H, s_k, splits)
     assert committed_splits(1, 32, 4096, kv_bytes)[2] == 64  # was 8 (bf16) or 16 (fp8): 8 or 16 of 132 SMs busy
 
@@ -269,6 +269,8 @@ def test_large_batches_keep_their_splits():
     assert committed_splits(128, 16, 8192) == (16, 640, 5)
     assert committed_splits(128, 32, 8192) == (32, 1152, 9)
     assert committed_splits(128, 16, 8192, kv_bytes=1) == (16, 1152, 9)
+    # a launch that long splits fill keeps FlashAttention's rule, at most MAX_SPLITS
+    assert committed_splits(8, 16, 32768, kv_bytes=1)[2] == decode_schedule.MAX_SPLITS
 
 
 @pytest.mark.parametrize(("rows", "splits", "dc"), [(1, 64, 512), (3, 100, 64), (2048, 5, 512), (37, 1, 16)])
@@ -287,7 +289,7 @@ def test_combine_launch_spreads_batch_one_over_the_sms():
 @needs_triton
 def test_many_splits_match_unsplit(nan_empty, fwd_launches):
     """Batch 1 over 1000 keys takes the small-launch schedule (many one-tile splits, several of them empty for the
-    shorter sequence of a batch of 2), and the merge of up to MAX_SPLITS partials equals one pass."""
+    shorter sequence of a batch of 2), and the merge of up to MAX_SMALL_SPLITS partials equals one pass."""
     args, dense = make_case([1000, 300], [1, 1], H=16, page_size=32, dtype=torch.float16, seed=7)
     out, lse = mla_decode_triton(**args)
     assert fwd_launches[-1]["SPLIT"]
@@ -299,9 +301,9 @@ def test_many_splits_match_unsplit(nan_empty, fwd_launches):
     assert_rel_close_inf("lse", lse, base_lse, 1e-5)
     want_out, want_lse = dense_decode_attention(args, dense)
     assert_rel_close_inf("out vs dense", out.float().cpu(), want_out.float(), TOL[torch.float16])
-    out, lse = mla_decode_triton(**args, num_kv_splits=decode_schedule.MAX_SPLITS)
-    assert_rel_close_inf("out, MAX_SPLITS", out, base_out, TOL[torch.float16])
-    assert_rel_close_inf("lse, MAX_SPLITS", lse, base_lse, 1e-5)
+    out, lse = mla_decode_triton(**args, num_kv_splits=decode_schedule.MAX_SMALL_SPLITS)
+    assert_rel_close_inf("out, MAX_SMALL_SPLITS", out, base_out, TOL[torch.float16])
+    assert_rel_close_inf("lse, MAX_SMALL_SPLITS", lse, base_lse, 1e-5)
 
 
 def test_rejects_unsupported_inputs():
