@@ -110,8 +110,8 @@ def _load_tile_tma(kv_c_desc, kv_pe_desc, page, row, BLOCK_N: tl.constexpr, DW: 
                    DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):  # fmt: skip
     """Rows [row, row + BLOCK_N) of one page by TMA, zeros where row < 0: (the column groups c0..c3 [BLOCK_N, DW],
     one kv_c_desc tile each, as `_load_groups` returns them; pe [BLOCK_N, DR])."""
-    # Every copy before any conversion from fp8: converting each tile as it lands reorders the fp8 kernels, and
-    # their spills grew with it (sm_90 offline, 16 rows x 64 keys: 72 bytes of stack a thread instead of 40).
+    # Every copy before any conversion from fp8: converting each tile as it lands reorders the fp8 kernels and
+    # makes them spill more registers (scripts/kernel_resources.py shows the spills).
     c0 = _tma_tile(kv_c_desc, page, row, 0, BLOCK_N, DW)
     c1 = c0
     c2 = c0
@@ -335,10 +335,8 @@ def mla_decode_fwd_kernel(
 
 
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
-# launch spends more host time (two descriptors encoded per call: 40-150 us more than a gathered launch on the
-# H200's host) while saving little GPU time on small launches (at most 25 us below 2^24 in CUDA-graph replays, up to
-# 29% of the GPU time above it). Without CUDA graphs a small launch is bound by the host, so below this size the
-# gathered kernel finishes first.
+# launch encodes two descriptors on the host per call, which costs more than the little GPU time TMA saves on a
+# small launch called without CUDA graphs (docs/benchmark-history.md, "TMA for small launches").
 TMA_MIN_WORK = 1 << 24
 
 
@@ -379,9 +377,9 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
 _WGMMA_SMEM = 227 * 1024 - 2048
 
 # The wgmma kernel takes sequences longest first (`decode_wgmma._longest_first`) where each program carries a whole
-# sequence's keys (no split-KV) and the programs fill more than one wave: 10% faster on an H200 at H=32 s_q=4, b=128
-# (two waves, lengths +-25%). Each program ranks all N sequences (O(N^2) work), so only up to this many; with
-# split-KV it measured from 10% slower to 2% faster, so split launches keep the sequences' order.
+# sequence's keys (no split-KV) and the programs fill more than one wave: the SMs that drew short sequences then take
+# the long ones left. Each program ranks all N sequences (O(N^2) work), so only up to this many; with split-KV it did
+# not pay (docs/benchmark-history.md), so split launches keep the sequences' order.
 LONGEST_FIRST_MAX_SEQS = 255
 
 

@@ -247,9 +247,8 @@ def _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q:
     """(sequence, first query token) of the slot-th BLOCK_Q-token slot when sequences are taken longest first (by
     cache length, ties by index; each with cdiv(s_q, BLOCK_Q) slots), or (-1, 0) past the last slot. With two or
     so waves of programs, each carrying a whole sequence's keys, the SMs that drew the shortest sequences first then
-    take the longest left, instead of the last wave's long sequences running alone (ncu at H=32 s_q=4: 22% of SM
-    cycles idle in sequence order, 5% longest first). Every program ranks all sequences: O(num_seqs^2) work,
-    in chunks of 32 rows."""
+    take the longest left, instead of the last wave's long sequences running alone (docs/benchmark-history.md).
+    Every program ranks all sequences: O(num_seqs^2) work, in chunks of 32 rows."""
     pair: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
     CHUNK: gl.constexpr = 32 if SEQS_POW2 > 32 else SEQS_POW2
     j = gl.arange(0, SEQS_POW2, layout=gl.SliceLayout(0, pair))
