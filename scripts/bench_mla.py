@@ -153,9 +153,9 @@ def main(argv=None) -> list[dict]:
     cache, cache_key = None, None
     # Appended case by case: a killed run keeps what it measured.
     with JsonlWriter(Path(args.out) / "mla_decode.jsonl", echo=sys.stderr) as results:
-        # Grouped by cache shape so each large cache is built once.
+        # Grouped by cache shape so each large cache is built once; small batches first.
         for (b, h, s_q, s_k, kv), backend, splits in sorted(
-            runs, key=lambda r: (-r[0][0], r[0][3], r[0][4], r[1], r[2] or 0)
+            runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1], r[2] or 0)
         ):
             rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, splits=splits, ms=None,
                        tbps=None, tflops=None, graph_ms=None)  # fmt: skip
