@@ -88,8 +88,6 @@ def choose_num_kv_splits(
     max_splits = max(1, min(MAX_SPLITS, tiles // min_split_tiles))
     if work * max_splits < num_sms:
         return small_launch_splits(work, tiles, num_sms)
-    if max_splits == 1:
-        return 1
     lo = 1 if min_waves <= 1 else min(max_splits, math.ceil(min_waves * num_sms / work))
     eff = {s: (work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(lo, max_splits + 1)}
     best = max(eff.values())
