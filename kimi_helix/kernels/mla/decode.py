@@ -27,6 +27,7 @@ from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.mla.combine_triton import launch_combine, mla_decode_combine_kernel
+from kimi_helix.kernels.mla.decode_fp8 import accumulate, attend_tile_fp8, scaled_rows
 from kimi_helix.kernels.mla.decode_schedule import (
     D_SPLITS,
     MIN_WAVES,
@@ -159,19 +160,12 @@ def _raise_max(acc0, acc1, acc2, acc3, l_i, m_i, m_tile, DSPLIT: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound, acc0, acc1, acc2, acc3, l_i, m_i,
-                 qk_scale, DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 IS_FP8: tl.constexpr, RESCALE_SLACK: tl.constexpr):  # fmt: skip
-    """The scores s of the tile's keys n in [lo, hi) into the online softmax: the running max and sum, and
-    acc_j += P @ c_j for each column group j < DSPLIT."""
+def _attend_tile(s, c0, c1, c2, c3, n, lo, bound, acc0, acc1, acc2, acc3, l_i, m_i, qk_scale, DSPLIT: tl.constexpr,
+                 COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_SLACK: tl.constexpr):  # fmt: skip
+    """The scores s of the tile's keys n in [lo, hi) (hi folded into bound) into the online softmax: the running
+    max and sum, and acc_j += P @ c_j for each column group j < DSPLIT."""
     visible = (n >= lo)[None, :] & (n[None, :] < bound[:, None])
-    if IS_FP8:
-        # Dequantise per key (column) in fp32 rather than per element of the tile: exact and cheaper.
-        key_scale = tl.load(kv_scale_ptr + key_slot, mask=(n >= lo) & (n < hi), other=0.0)
-        s = s * (key_scale * qk_scale)[None, :]
-    else:
-        s = s * qk_scale
-    s = tl.where(visible, s, float("-inf"))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
     m_tile = tl.max(s, axis=1)
     if RESCALE_SLACK > 0:
         # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of the accumulators) until some
@@ -184,15 +178,8 @@ def _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound, ac
     # Rows with no visible key so far keep m = -inf; offsetting by 0 instead keeps exp2 away from -inf - -inf.
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     l_i += tl.sum(p, axis=1)
-    if IS_FP8:
-        p = p * key_scale[None, :]
     p = p.to(COMPUTE_DTYPE)
-    acc0 = tl.dot(p, c0, acc0, input_precision=DOT_PRECISION)
-    if DSPLIT > 1:
-        acc1 = tl.dot(p, c1, acc1, input_precision=DOT_PRECISION)
-    if DSPLIT > 2:
-        acc2 = tl.dot(p, c2, acc2, input_precision=DOT_PRECISION)
-        acc3 = tl.dot(p, c3, acc3, input_precision=DOT_PRECISION)
+    acc0, acc1, acc2, acc3 = accumulate(p, c0, c1, c2, c3, acc0, acc1, acc2, acc3, DSPLIT, DOT_PRECISION)
     return acc0, acc1, acc2, acc3, l_i, m_i
 
 
@@ -291,12 +278,22 @@ def mla_decode_fwd_kernel(
     # The latent's columns as DSPLIT groups of DW, each with its own operands and accumulator (see `_scores`).
     DW: tl.constexpr = DC // DSPLIT
     q_row = q_ptr + tok.to(tl.int64) * stride_qt + head * stride_qh
-    q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, COMPUTE_DTYPE)
-    q_pe = q0  # unused when DR == 0
-    if DR > 0:
-        q_pe = _load_cols(q_row + DC, row_ok, DR, COMPUTE_DTYPE)
+    row_scale = tl.full([BLOCK_Q * BLOCK_H], qk_scale, tl.float32)
+    if IS_FP8:  # fp16 operands (see `decode_fp8.attend_tile_fp8`): q scaled per row into fp16's range
+        q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, tl.float32)
+        q_pe = q0  # unused when DR == 0
+        if DR > 0:
+            q_pe = _load_cols(q_row + DC, row_ok, DR, tl.float32)
+        q0, q1, q2, q3, q_pe, unscale = scaled_rows(q0, q1, q2, q3, q_pe, DR, DSPLIT, COMPUTE_DTYPE)
+        row_scale = row_scale * unscale
+    else:
+        q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, COMPUTE_DTYPE)
+        q_pe = q0  # unused when DR == 0
+        if DR > 0:
+            q_pe = _load_cols(q_row + DC, row_ok, DR, COMPUTE_DTYPE)
 
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
+    d_i = m_i  # fp8 only: the running max of the P @ c weights' exponents (see `decode_fp8.attend_tile_fp8`)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_Q * BLOCK_H, DW], tl.float32)
     acc1 = acc0
@@ -319,10 +316,15 @@ def mla_decode_fwd_kernel(
             key_slot, c0, c1, c2, c3, pe = _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi,
                                                              PAGE_SIZE, DC, DR, DSPLIT, COMPUTE_DTYPE)  # fmt: skip
         s = _scores(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, pe, DR, DSPLIT, DOT_PRECISION)
-        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, tile_lo, hi,
-                                                        bound, acc0, acc1, acc2, acc3, l_i, m_i, qk_scale, DSPLIT,
-                                                        COMPUTE_DTYPE, DOT_PRECISION, IS_FP8,
-                                                        RESCALE_SLACK)  # fmt: skip
+        if IS_FP8:
+            acc0, acc1, acc2, acc3, l_i, m_i, d_i = attend_tile_fp8(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n,
+                                                                     tile_lo, hi, bound, acc0, acc1, acc2, acc3, l_i,
+                                                                     m_i, d_i, row_scale, DSPLIT, COMPUTE_DTYPE,
+                                                                     DOT_PRECISION)  # fmt: skip
+        else:
+            acc0, acc1, acc2, acc3, l_i, m_i = _attend_tile(s, c0, c1, c2, c3, n, tile_lo, bound, acc0, acc1, acc2,
+                                                            acc3, l_i, m_i, qk_scale, DSPLIT, COMPUTE_DTYPE,
+                                                            DOT_PRECISION, RESCALE_SLACK)  # fmt: skip
 
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -330,7 +332,11 @@ def mla_decode_fwd_kernel(
     row = tok.to(tl.int64) * num_heads + head
     if SPLIT:
         row = row * num_splits + split
-    _store_out(out_ptr + row * DC, row_ok, acc0, acc1, acc2, acc3, l_safe, DW, DSPLIT)
+    l_out = l_safe
+    if IS_FP8:  # out = acc * 2^d / l; acc is 0 where no key had weight (d = -inf)
+        norm = tl.where(has_keys & (d_i > float("-inf")), tl.exp2(d_i), 0.0)
+        l_out = tl.where(norm > 0, l_safe / norm, 1.0)
+    _store_out(out_ptr + row * DC, row_ok, acc0, acc1, acc2, acc3, l_out, DW, DSPLIT)
     tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
@@ -500,6 +506,8 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
+    if kv_cache.dtype == FP8 and compute == torch.bfloat16:
+        compute = torch.float16  # e4m3 -> fp16 is one exact conversion; see `decode_fp8.attend_tile_fp8`
     cfg, sched = choose_tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
     max_kv = block_table.shape[1] * page_size
     tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])

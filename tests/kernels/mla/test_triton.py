@@ -89,6 +89,26 @@ def test_fp8_cache(nan_empty, dtype):
     assert_rel_close_inf("ref vs dense", want_out.float(), dense_decode_attention(args, dense)[0], TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_extreme_key_scales(nan_empty, dtype):
+    """Per-token scales from 1e-23 up to 1e17 (to 1e-1 for fp16 outputs, which cannot hold more), and zeros (an
+    all-zero latent row), over several tiles: the P @ c weights p * scale are normalised by their own running max,
+    so fp16 holds them whatever the scales."""
+    args, _ = make_case([150, 40, 1], [1, 2, 1], H=4, kv_dtype=FP8, dtype=dtype, page_size=16, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    scale = args["kv_scale"].cpu()
+    exponents = torch.randint(-20, 21 if dtype == torch.float32 else 3, scale.shape, generator=gen).double()
+    scale = torch.where(torch.isnan(scale), scale, (10.0**exponents).float() * 1e-3)
+    scale[torch.rand(scale.shape, generator=gen) < 0.1] = 0.0
+    args["kv_scale"] = scale.to(DEVICE)
+    args["q"] = args["q"] * 1e-3  # scores stay finite in fp32: |q . c| * scale < 1e20
+    want_out, want_lse = mla_decode_ref(**args)
+    for splits in (1, 4):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out (splits {splits})", out, want_out.float(), TOL[dtype])
+        assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
 @pytest.mark.parametrize("slack", [0.0, 8.0])
 def test_rescale_schedules(nan_empty, monkeypatch, kv_dtype, slack):
