@@ -79,6 +79,23 @@ def test_gpu_small_batch_many_splits(nan_empty, kv, lens, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 32])
+def test_gpu_fp8_queries_beyond_fp16(nan_empty, H):
+    """An fp8 cache computes with fp16 operands (decode_fp8.py): bf16 queries far beyond fp16's range (65504) are
+    scaled per row first, and the result matches the reference."""
+    _gpu()
+    args, _ = make_case([3001, 64, 700], [1, 1, 1], H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=FP8, seed=H)  # fmt: skip
+    args["q"] = args["q"] * 1e5
+    args["q"][:, 0] *= 1e-12  # and a head far below it
+    args["scale"] = 192**-0.5 * 1e-5
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("stages", [5, 8])
 @pytest.mark.parametrize(("H", "s_q"), [(16, 1), (32, 1)])
 def test_gpu_fp8_multi_buffered_tiles(nan_empty, monkeypatch, stages, H, s_q):
