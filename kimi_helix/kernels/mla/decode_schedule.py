@@ -55,14 +55,15 @@ class Schedule(NamedTuple):
 # tile is compute-heavy or converted from fp8; gathered tiles stay ahead at bf16 16 and 32 rows. At 64 rows on
 # sm_90 the Gluon warpgroup-MMA kernel (`decode_wgmma`, 64-key tiles in 2 buffers, 2 programs an SM) serves; where
 # it cannot (other GPUs, launches below TMA_MIN_WORK) the Triton kernel runs the same schedule. BLOCK_N=256 (or 128
-# at 64 rows) overflows shared memory. fp8 at 32 rows was not swept and follows 16 rows. A cache whose pages are
-# not a multiple of 64 keys runs these schedules with gathered tiles.
+# at 64 rows) overflows shared memory. fp8 tiles take 5 pipeline stages at 16 rows: Triton then keeps two TMA
+# buffers, so the next tile's copy overlaps this one's work (one program an SM). A cache whose pages are not a
+# multiple of 64 keys runs these schedules with gathered tiles.
 SCHEDULES = {
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
     (2, 64): Schedule(64, 8, 2, 0.0, min_waves=2, tma=True, wgmma=True),
-    (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
-    (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 16): Schedule(64, 8, 5, 0.0, tma=True),
+    (1, 32): Schedule(64, 8, 2, 0.0, tma=True),
     (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
