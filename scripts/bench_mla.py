@@ -3,6 +3,8 @@
     python scripts/bench_mla.py            # the full grid (H200: a few minutes)
     python scripts/bench_mla.py --quick    # a subset plus the target cases, for limited GPU time
     python scripts/bench_mla.py --smoke    # tiny shapes; runs on the CPU under the Triton interpreter
+    python scripts/bench_mla.py --b 1 8 --h 32 --s-q 1 --s-k 4096 --kv bf16 fp8 --backends triton --jobs 8
+                                           # a grid of its own, compiled first by 8 processes
 
 Each case is timed with triton.testing.do_bench (median) while rotating over several block tables into one large
 cache, so the latents come from HBM rather than L2. TB/s counts the latents read once plus q, out and lse; TFLOP/s
@@ -26,7 +28,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
-from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, run_metadata  # noqa: E402
+from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, precompile, run_metadata  # noqa: E402
 
 from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
 from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
@@ -83,25 +85,35 @@ class Cache:
         self.kv_bytes = self.total_keys * ((KV_LORA + ROPE) * elem + (4 if kv == "fp8" else 0))
 
 
-def run_case(cache, b, h, s_q, backend, device, q_dtype):
-    """Time one case; returns (ms, tbps, tflops, graph_ms): graph_ms (the Triton kernel on the GPU only, else None)
-    is the GPU time of CUDA-graph replays, without the host's launch cost that bounds small cases timed call by
-    call."""
+def run_case(cache, b, h, s_q, backend, device, q_dtype, splits=None):
+    """Time one case (the Triton kernel with `splits` KV splits, None: its own choice); returns (ms, tbps, tflops,
+    graph_ms): graph_ms (the Triton kernel on the GPU only, else None) is the GPU time of CUDA-graph replays,
+    without the host's launch cost that bounds small cases timed call by call."""
     gen = torch.Generator().manual_seed(h * 7 + s_q)
     T = b * s_q
     q = torch.randn(T, h, KV_LORA + ROPE, generator=gen).to(device=device, dtype=q_dtype)
     cu = torch.arange(0, T + 1, s_q, dtype=torch.int32, device=device)
-    fn = mla_decode_triton if backend == "triton" else mla_decode_ref
     tables = itertools.cycle(cache.tables)
 
     def call():
-        return fn(q, cache.kv, next(tables), cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
+        args = (q, cache.kv, next(tables), cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
+        return mla_decode_triton(*args, splits) if backend == "triton" else mla_decode_ref(*args)
 
     ms = bench_ms(call, device)
     graph_ms = bench_ms(call, device, graph=True) if backend == "triton" and device.type == "cuda" else None
     io_bytes = cache.kv_bytes + q.numel() * q.element_size() + T * h * (KV_LORA * q.element_size() + 4)
     flops = 2 * s_q * cache.total_keys * h * (2 * KV_LORA + ROPE)
     return ms, io_bytes / ms / 1e9, flops / ms / 1e9, graph_ms
+
+
+def _compile(case) -> None:
+    """Worker: one call of the Triton kernel at the case's shapes, so that Triton compiles and caches its variant."""
+    b, h, s_q, s_k, kv = case
+    device = torch.device("cuda")
+    cache = Cache(b, s_k, kv, device, torch.bfloat16)
+    q = torch.zeros(b * s_q, h, KV_LORA + ROPE, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(0, b * s_q + 1, s_q, dtype=torch.int32, device=device)
+    mla_decode_triton(q, cache.kv, cache.tables[0], cache.lens, cu, 192**-0.5, KV_LORA, None, cache.scale)
 
 
 def main(argv=None) -> list[dict]:
@@ -113,6 +125,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     ap.add_argument("--backends", nargs="+", choices=("triton", "torch"), default=["triton", "torch"],
                     help="what to time (the torch reference only on cases of up to REF_MAX_B sequences)")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=1, help="processes that compile the Triton cases before timing")
+    ap.add_argument("--splits", nargs="+", type=int, default=[], help="also time the Triton kernel at these KV splits")
     for key in GRID:
         ap.add_argument(f"--{key.replace('_', '-')}", nargs="+", type=str if key == "kv" else int, help="override")
     args = ap.parse_args(argv)
@@ -124,27 +138,34 @@ def main(argv=None) -> list[dict]:
     cases = list(itertools.product(grid["b"], grid["h"], grid["s_q"], grid["s_k"], grid["kv"]))
     if args.quick:
         cases += [c for c in TARGETS if c not in cases]
-    runs = [(c, "triton") for c in cases] if "triton" in args.backends else []
+    # (case, backend, forced KV splits or None)
+    runs = [(c, "triton", n) for c in cases for n in [None, *args.splits]] if "triton" in args.backends else []
     if not args.quick and "torch" in args.backends:
-        runs += [(c, "torch") for c in (cases[:2] if args.smoke else [c for c in cases if c[0] <= REF_MAX_B])]
+        ref_cases = cases[:2] if args.smoke else [c for c in cases if c[0] <= REF_MAX_B]
+        runs += [(c, "torch", None) for c in ref_cases]
 
+    errors = precompile(_compile, [c for c, backend, n in runs if backend == "triton" and n is None], args.jobs, device)
+    if any(errors):
+        print("compile errors:", [e for e in errors if e], file=sys.stderr)
     copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
     matmul = matmul_tflops(device, n=128 if args.smoke else 8192)
     base = dict(run_metadata(), copy_tbps=round(copy, 3), matmul_tflops=round(matmul, 1))
     cache, cache_key = None, None
     # Appended case by case: a killed run keeps what it measured.
     with JsonlWriter(Path(args.out) / "mla_decode.jsonl", echo=sys.stderr) as results:
-        # Grouped by cache shape so each large cache is built once.
-        for (b, h, s_q, s_k, kv), backend in sorted(runs, key=lambda r: (-r[0][0], r[0][3], r[0][4], r[1])):
-            rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, ms=None, tbps=None, tflops=None,
-                       graph_ms=None)  # fmt: skip
+        # Grouped by cache shape so each large cache is built once; small batches first.
+        for (b, h, s_q, s_k, kv), backend, splits in sorted(
+            runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1], r[2] or 0)
+        ):
+            rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, splits=splits, ms=None,
+                       tbps=None, tflops=None, graph_ms=None)  # fmt: skip
             try:
                 if cache_key != (b, s_k, kv):
                     cache, cache_key = None, None  # free the previous one first
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     cache, cache_key = Cache(b, s_k, kv, device, q_dtype), (b, s_k, kv)
-                ms, tbps, tflops, graph_ms = run_case(cache, b, h, s_q, backend, device, q_dtype)
+                ms, tbps, tflops, graph_ms = run_case(cache, b, h, s_q, backend, device, q_dtype, splits)
                 rec.update(ms=round(ms, 4), tbps=round(tbps, 3), tflops=round(tflops, 1), error=None)
                 rec["graph_ms"] = None if graph_ms is None else round(graph_ms, 4)
             except Exception as err:  # a failing case is recorded, the rest still run
@@ -153,15 +174,15 @@ def main(argv=None) -> list[dict]:
 
     records = results.records
     print(f"\n{base['gpu']}: copy {copy:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s\n")
-    print("| backend | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s | graph ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| backend | splits | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s | graph ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
+        shape = f"{r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']}"
+        head = f"| {r['backend']} | {r['splits'] or 'auto'} | {shape} |"
         if r["error"]:
-            print(f"| {r['backend']} | {r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']} | error: "
-                  f"{r['error'][:60]} | | | |")  # fmt: skip
+            print(f"{head} error: {r['error'][:60]} | | | |")
         else:
-            print(f"| {r['backend']} | {r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']} | "
-                  f"{r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} | {r['graph_ms'] or '-'} |")  # fmt: skip
+            print(f"{head} {r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} | {r['graph_ms'] or '-'} |")
     return records
 
 

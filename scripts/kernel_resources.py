@@ -132,9 +132,10 @@ def mla_cases() -> list[tuple]:
     for (kv_bytes, rows), sched in decode.SCHEDULES.items():
         fp8 = kv_bytes == 1
         tma = sched.tma and 64 % sched.block_n == 0
+        # an fp8 cache computes in fp16 (decode_fp8.py)
         c = dict(PAGE_SIZE=64, DC=512, DR=64, BLOCK_H=rows, BLOCK_Q=1, BLOCK_N=sched.block_n, DSPLIT=sched.d_split,
-                 SEQS_POW2=256, COMPUTE_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8, HAS_BOUNDS=False,
-                 SPLIT=True, RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
+                 SEQS_POW2=256, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8,
+                 HAS_BOUNDS=False, SPLIT=True, RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
         kv = "fp8e4nv" if fp8 else "bf16"
         overrides = {"kv_ptr": f"*{kv}"}
         if tma:

@@ -5,6 +5,8 @@ split targets on a GPU.
     python scripts/tune_mla_decode.py --smoke               # three candidates on tiny shapes (CPU interpreter)
     python scripts/tune_mla_decode.py --tma --out $OUT      # schedules whose whole tiles TMA copies (at 64 rows
                                                             # also the Gluon kernel's, Schedule.wgmma)
+    python scripts/tune_mla_decode.py --cases 128,16,1,8192,fp8 --schedules 64,8,5,0,1,tma
+                                                            # only these candidates (and the committed one)
 
 For each case it times every candidate `Schedule` of the case's tile class (the kernel's SCHEDULES key: KV element
 bytes and tile rows), and the committed one, each splitting for 2 programs an SM; then the best three and the
@@ -55,25 +57,39 @@ def candidates(rows: int, smoke: bool, tma: bool) -> list[decode.Schedule]:
     if smoke:
         return [decode.Schedule(32, 4, 1, 0.0, tma=tma), decode.Schedule(32, 4, 1, 8.0, tma=tma, d_split=2),
                 decode.Schedule(32, 4, 1, 0.0, tma=tma, d_split=4)]  # fmt: skip
-    # 48 candidates a case. Gathered tiles at 16 and 32 rows leave out 32 keys and one stage (slower in run 11, see
-    # decode_schedule.SCHEDULES) and four stages, to make room for the latent column groups; TMA tiles must fit
+    # 48 candidates a case. Gathered tiles at 16 and 32 rows leave out 32 keys and one stage (slower, see
+    # docs/benchmark-history.md) and four stages, to make room for the latent column groups; TMA tiles must fit
     # inside bench_mla.py's 64-key pages.
     block_ns = (32, 64) if rows == 64 or tma else (64, 128)
     grid = itertools.product(block_ns, (4, 8), (2, 3), (0.0, 8.0), decode.D_SPLITS)
     cands = [decode.Schedule(n, w, st, slack, tma=tma, d_split=d) for n, w, st, slack, d in grid]
     if rows == 64 and tma:
-        # The Gluon kernel's tiles and buffers (its warps are fixed; run 18 timed these three).
+        # The Gluon kernel's tiles and buffers (its warps are fixed).
         cands += [decode.Schedule(n, 8, st, 0.0, tma=True, wgmma=True) for n, st in ((64, 2), (32, 3), (32, 4))]
     return cands
 
 
-def sweep(case, smoke: bool, tma: bool = False) -> list[decode.Schedule]:
-    """The candidates of the case's tile class (with the class's committed shortest split; TMA tiles or gathered
-    ones) and the committed schedule, each once."""
+def sweep(case, smoke: bool, tma: bool = False, given: list | None = None) -> list[decode.Schedule]:
+    """The candidates of the case's tile class (`given`, else the grid of `candidates`: TMA tiles or gathered ones;
+    with the class's committed shortest split) and the committed schedule, each once."""
     key = tile_key(case)
     tiles = DEFAULTS[key].min_split_tiles
-    cands = [c._replace(min_split_tiles=tiles) for c in candidates(key[1], smoke, tma)]
+    cands = [c._replace(min_split_tiles=tiles) for c in (given or candidates(key[1], smoke, tma))]
     return list(dict.fromkeys([*cands, _committed(key)]))
+
+
+def parse_schedule(text: str) -> decode.Schedule:
+    """ "block_n,warps,stages,slack,d_split[,tma][,wgmma]" (e.g. "64,8,5,0,1,tma") as a Schedule."""
+    parts = text.split(",")
+    flags = set(parts[5:])
+    try:
+        n, w, st, d = (int(parts[i]) for i in (0, 1, 2, 4))
+        slack = float(parts[3])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not block_n,warps,stages,slack,d_split[,tma][,wgmma]") from None
+    if not flags <= {"tma", "wgmma"} or d not in decode.D_SPLITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: flags must be tma or wgmma, d_split one of {decode.D_SPLITS}")
+    return decode.Schedule(n, w, st, slack, tma="tma" in flags, d_split=d, wgmma="wgmma" in flags)
 
 
 def _committed(key) -> decode.Schedule:
@@ -137,6 +153,8 @@ def main(argv=None) -> list[dict]:
     )
     ap.add_argument("--cases", nargs="+", type=parse_case, help="only these cases, each as b,h,s_q,s_k,kv")
     ap.add_argument("--tma", action="store_true", help="sweep schedules whose whole tiles are copied by TMA")
+    ap.add_argument("--schedules", nargs="+", type=parse_schedule,
+                    help="only these candidates: block_n,warps,stages,slack,d_split[,tma][,wgmma] each")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,19 +162,19 @@ def main(argv=None) -> list[dict]:
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
         cases = args.cases
-    jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke, args.tma)]
+    jobs = [(c, s, args.smoke) for c in cases for s in sweep(c, args.smoke, args.tma, args.schedules)]
     errors = dict(zip(((c, s) for c, s, _ in jobs), precompile(_compile, jobs, args.jobs, device)))
 
     meta = run_metadata()
     best = {}
     path = Path(args.out) / "tune_mla_decode.jsonl"
-    with JsonlWriter(path) as results:
+    with JsonlWriter(path, echo=sys.stderr) as results:
         for case in cases:
             b, h, s_q, s_k, kv = case
             key = tile_key(case)
             cache = Cache(b, s_k, kv, device, dtype)
             timed = []
-            first = [(s, 2) for s in sweep(case, args.smoke, args.tma)]
+            first = [(s, 2) for s in sweep(case, args.smoke, args.tma, args.schedules)]
             for sched, waves in first + [(None, w) for w in (1, 4, 8)]:
                 if sched is None:  # second pass: the best three schedules at other split targets
                     tops = [s for _, s, _ in sorted(t for t in timed if t[2] == 2)[:3]]

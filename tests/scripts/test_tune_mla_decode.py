@@ -44,3 +44,7 @@ def test_tune_cases_are_checked():
     for bad in ("128,16", "128,16,1,8192,int8", "128,0,1,8192,bf16", "a,16,1,8192,bf16"):
         with pytest.raises(argparse.ArgumentTypeError, match="b,h,s_q,s_k,kv"):
             tune_mla_decode.parse_case(bad)
+    assert tune_mla_decode.parse_schedule("64,8,5,0,1,tma") == decode.Schedule(64, 8, 5, 0.0, tma=True)
+    for bad in ("64,8,5", "64,8,5,0,3", "64,8,5,0,1,fast"):
+        with pytest.raises(argparse.ArgumentTypeError, match="block_n|d_split"):
+            tune_mla_decode.parse_schedule(bad)

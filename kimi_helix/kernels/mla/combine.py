@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..launch import cdiv
-
 
 def sanitize_empty(part_out: torch.Tensor, part_lse: torch.Tensor, has_keys: torch.Tensor):
     """Rows without keys become the combine identity: part_out [..., D] -> 0, part_lse [...] -> -inf.
@@ -53,12 +51,12 @@ def combine_partials(
         return combine_partials_ref(part_out, part_lse)
     if not pow2:
         raise ValueError(f"the Triton combine needs D a power of two, got D={d}")
-    from .decode import mla_decode_combine_kernel
+    from ..device import num_sms
+    from .combine_triton import launch_combine
 
     rows_first = part_out.float().permute(1, 0, 2).contiguous()  # the kernel reads [N, S, D]
     lse_rows = part_lse.float().t().contiguous()
     out = torch.empty(n, d, dtype=part_out.dtype, device=part_out.device)
     lse = torch.empty(n, dtype=torch.float32, device=part_out.device)
-    block_r = 16
-    mla_decode_combine_kernel[(cdiv(n, block_r),)](rows_first, lse_rows, out, lse, n, s, DC=d, BLOCK_R=block_r)
+    launch_combine(rows_first, lse_rows, out, lse, num_sms(part_out.device.index))
     return out, lse

@@ -26,6 +26,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.mla.combine_triton import launch_combine, mla_decode_combine_kernel
+from kimi_helix.kernels.mla.decode_fp8 import accumulate, attend_tile_fp8, scaled_rows
 from kimi_helix.kernels.mla.decode_schedule import (
     D_SPLITS,
     MIN_WAVES,
@@ -40,7 +42,10 @@ try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or ne
 except ImportError:
     decode_wgmma = None
 
-__all__ = ["D_SPLITS", "MIN_WAVES", "CAPS", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_triton"]
+__all__ = [
+    "CAPS", "D_SPLITS", "MIN_WAVES", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_combine_kernel",
+    "mla_decode_triton",
+]  # fmt: skip
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -106,8 +111,8 @@ def _load_tile_tma(kv_c_desc, kv_pe_desc, page, row, BLOCK_N: tl.constexpr, DW: 
                    DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):  # fmt: skip
     """Rows [row, row + BLOCK_N) of one page by TMA, zeros where row < 0: (the column groups c0..c3 [BLOCK_N, DW],
     one kv_c_desc tile each, as `_load_groups` returns them; pe [BLOCK_N, DR])."""
-    # Every copy before any conversion from fp8: converting each tile as it lands reorders the fp8 kernels, and
-    # their spills grew with it (sm_90 offline, 16 rows x 64 keys: 72 bytes of stack a thread instead of 40).
+    # Every copy before any conversion from fp8: converting each tile as it lands reorders the fp8 kernels and
+    # makes them spill more registers (scripts/kernel_resources.py shows the spills).
     c0 = _tma_tile(kv_c_desc, page, row, 0, BLOCK_N, DW)
     c1 = c0
     c2 = c0
@@ -155,19 +160,12 @@ def _raise_max(acc0, acc1, acc2, acc3, l_i, m_i, m_tile, DSPLIT: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound, acc0, acc1, acc2, acc3, l_i, m_i,
-                 qk_scale, DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 IS_FP8: tl.constexpr, RESCALE_SLACK: tl.constexpr):  # fmt: skip
-    """The scores s of the tile's keys n in [lo, hi) into the online softmax: the running max and sum, and
-    acc_j += P @ c_j for each column group j < DSPLIT."""
+def _attend_tile(s, c0, c1, c2, c3, n, lo, bound, acc0, acc1, acc2, acc3, l_i, m_i, qk_scale, DSPLIT: tl.constexpr,
+                 COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_SLACK: tl.constexpr):  # fmt: skip
+    """The scores s of the tile's keys n in [lo, hi) (hi folded into bound) into the online softmax: the running
+    max and sum, and acc_j += P @ c_j for each column group j < DSPLIT."""
     visible = (n >= lo)[None, :] & (n[None, :] < bound[:, None])
-    if IS_FP8:
-        # Dequantise per key (column) in fp32 rather than per element of the tile: exact and cheaper.
-        key_scale = tl.load(kv_scale_ptr + key_slot, mask=(n >= lo) & (n < hi), other=0.0)
-        s = s * (key_scale * qk_scale)[None, :]
-    else:
-        s = s * qk_scale
-    s = tl.where(visible, s, float("-inf"))
+    s = tl.where(visible, s * qk_scale, float("-inf"))
     m_tile = tl.max(s, axis=1)
     if RESCALE_SLACK > 0:
         # Lazy rescaling: keep the running max (and skip the [rows, DC] multiply of the accumulators) until some
@@ -180,15 +178,8 @@ def _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound, ac
     # Rows with no visible key so far keep m = -inf; offsetting by 0 instead keeps exp2 away from -inf - -inf.
     p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     l_i += tl.sum(p, axis=1)
-    if IS_FP8:
-        p = p * key_scale[None, :]
     p = p.to(COMPUTE_DTYPE)
-    acc0 = tl.dot(p, c0, acc0, input_precision=DOT_PRECISION)
-    if DSPLIT > 1:
-        acc1 = tl.dot(p, c1, acc1, input_precision=DOT_PRECISION)
-    if DSPLIT > 2:
-        acc2 = tl.dot(p, c2, acc2, input_precision=DOT_PRECISION)
-        acc3 = tl.dot(p, c3, acc3, input_precision=DOT_PRECISION)
+    acc0, acc1, acc2, acc3 = accumulate(p, c0, c1, c2, c3, acc0, acc1, acc2, acc3, DSPLIT, DOT_PRECISION)
     return acc0, acc1, acc2, acc3, l_i, m_i
 
 
@@ -265,12 +256,12 @@ def mla_decode_fwd_kernel(
     if tok0 >= q_hi:
         return
 
-    # Rows are (query token, head) pairs, each with its own number of visible keys.
+    # Rows are (query token, head) pairs, each with its own number of visible keys. From here to the split range:
+    # twin of kernels/mla/decode_wgmma.py:mla_decode_wgmma_kernel (same contract) — a fix here belongs there too.
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
-    # Rows, bounds and split range: twin of `decode_wgmma`'s kernel (same contract); a fix here goes there too.
     kv_len = tl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = tl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
@@ -287,12 +278,22 @@ def mla_decode_fwd_kernel(
     # The latent's columns as DSPLIT groups of DW, each with its own operands and accumulator (see `_scores`).
     DW: tl.constexpr = DC // DSPLIT
     q_row = q_ptr + tok.to(tl.int64) * stride_qt + head * stride_qh
-    q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, COMPUTE_DTYPE)
-    q_pe = q0  # unused when DR == 0
-    if DR > 0:
-        q_pe = _load_cols(q_row + DC, row_ok, DR, COMPUTE_DTYPE)
+    row_scale = tl.full([BLOCK_Q * BLOCK_H], qk_scale, tl.float32)
+    if IS_FP8:  # fp16 operands (see `decode_fp8.attend_tile_fp8`): q scaled per row into fp16's range
+        q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, tl.float32)
+        q_pe = q0  # unused when DR == 0
+        if DR > 0:
+            q_pe = _load_cols(q_row + DC, row_ok, DR, tl.float32)
+        q0, q1, q2, q3, q_pe, unscale = scaled_rows(q0, q1, q2, q3, q_pe, DR, DSPLIT, COMPUTE_DTYPE)
+        row_scale = row_scale * unscale
+    else:
+        q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, COMPUTE_DTYPE)
+        q_pe = q0  # unused when DR == 0
+        if DR > 0:
+            q_pe = _load_cols(q_row + DC, row_ok, DR, COMPUTE_DTYPE)
 
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
+    d_i = m_i  # fp8 only: the running max of the P @ c weights' exponents (see `decode_fp8.attend_tile_fp8`)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_Q * BLOCK_H, DW], tl.float32)
     acc1 = acc0
@@ -315,10 +316,15 @@ def mla_decode_fwd_kernel(
             key_slot, c0, c1, c2, c3, pe = _load_tile_gather(kv_ptr, pages_ptr, stride_kvp, stride_kvs, n, hi,
                                                              PAGE_SIZE, DC, DR, DSPLIT, COMPUTE_DTYPE)  # fmt: skip
         s = _scores(q0, q1, q2, q3, q_pe, c0, c1, c2, c3, pe, DR, DSPLIT, DOT_PRECISION)
-        acc0, acc1, acc2, acc3, l_i, m_i = _attend_tile(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, tile_lo, hi,
-                                                        bound, acc0, acc1, acc2, acc3, l_i, m_i, qk_scale, DSPLIT,
-                                                        COMPUTE_DTYPE, DOT_PRECISION, IS_FP8,
-                                                        RESCALE_SLACK)  # fmt: skip
+        if IS_FP8:
+            acc0, acc1, acc2, acc3, l_i, m_i, d_i = attend_tile_fp8(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n,
+                                                                     tile_lo, hi, bound, acc0, acc1, acc2, acc3, l_i,
+                                                                     m_i, d_i, row_scale, DSPLIT, COMPUTE_DTYPE,
+                                                                     DOT_PRECISION)  # fmt: skip
+        else:
+            acc0, acc1, acc2, acc3, l_i, m_i = _attend_tile(s, c0, c1, c2, c3, n, tile_lo, bound, acc0, acc1, acc2,
+                                                            acc3, l_i, m_i, qk_scale, DSPLIT, COMPUTE_DTYPE,
+                                                            DOT_PRECISION, RESCALE_SLACK)  # fmt: skip
 
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -326,49 +332,17 @@ def mla_decode_fwd_kernel(
     row = tok.to(tl.int64) * num_heads + head
     if SPLIT:
         row = row * num_splits + split
-    _store_out(out_ptr + row * DC, row_ok, acc0, acc1, acc2, acc3, l_safe, DW, DSPLIT)
+    l_out = l_safe
+    if IS_FP8:  # out = acc * 2^d / l; acc is 0 where no key had weight (d = -inf)
+        norm = tl.where(has_keys & (d_i > float("-inf")), tl.exp2(d_i), 0.0)
+        l_out = tl.where(norm > 0, l_safe / norm, 1.0)
+    _store_out(out_ptr + row * DC, row_ok, acc0, acc1, acc2, acc3, l_out, DW, DSPLIT)
     tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit
-def mla_decode_combine_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    lse_ptr,
-    num_rows,
-    num_splits,
-    DC: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
-    rows = rows.to(tl.int64)
-    dc = tl.arange(0, DC)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + rows * num_splits + s, mask=row_ok, other=float("-inf")))
-    # A split that saw no key has lse -inf and weight 0; a row whose splits all saw none stays zero with lse -inf.
-    m_off = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, DC], tl.float32)
-    for s in range(num_splits):
-        part = rows * num_splits + s
-        w = tl.exp(tl.load(part_lse_ptr + part, mask=row_ok, other=float("-inf")) - m_off)
-        denom += w
-        acc += w[:, None] * tl.load(part_out_ptr + part[:, None] * DC + dc[None, :], mask=row_ok[:, None], other=0.0)
-    has_keys = denom > 0
-    denom = tl.where(has_keys, denom, 1.0)
-    out = acc / denom[:, None]
-    tl.store(out_ptr + rows[:, None] * DC + dc[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + rows, tl.where(has_keys, m_off + tl.log(denom), float("-inf")), mask=row_ok)
-
-
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
-# launch spends more host time (two descriptors encoded per call: 40-150 us more than a gathered launch on the
-# H200's host) while saving little GPU time on small launches (at most 25 us below 2^24 in CUDA-graph replays, up to
-# 29% of the GPU time above it). Without CUDA graphs a small launch is bound by the host, so below this size the
-# gathered kernel finishes first.
+# launch encodes two descriptors on the host per call, which costs more than the little GPU time TMA saves on a
+# small launch called without CUDA graphs (docs/benchmark-history.md, "TMA for small launches").
 TMA_MIN_WORK = 1 << 24
 
 
@@ -409,9 +383,9 @@ def _tma_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_n: int, d_
 _WGMMA_SMEM = 227 * 1024 - 2048
 
 # The wgmma kernel takes sequences longest first (`decode_wgmma._longest_first`) where each program carries a whole
-# sequence's keys (no split-KV) and the programs fill more than one wave: 10% faster on an H200 at H=32 s_q=4, b=128
-# (two waves, lengths +-25%). Each program ranks all N sequences (O(N^2) work), so only up to this many; with
-# split-KV it measured from 10% slower to 2% faster, so split launches keep the sequences' order.
+# sequence's keys (no split-KV) and the programs fill more than one wave: the SMs that drew short sequences then take
+# the long ones left. Each program ranks all N sequences (O(N^2) work), so only up to this many; with split-KV it did
+# not pay (docs/benchmark-history.md), so split launches keep the sequences' order.
 LONGEST_FIRST_MAX_SEQS = 255
 
 
@@ -532,6 +506,8 @@ def mla_decode_triton(
     if T == 0:
         return out, lse
     compute = q.dtype if kv_cache.dtype in (q.dtype, FP8) else torch.float32
+    if kv_cache.dtype == FP8 and compute == torch.bfloat16:
+        compute = torch.float16  # e4m3 -> fp16 is one exact conversion; see `decode_fp8.attend_tile_fp8`
     cfg, sched = choose_tiles(H, T, N, compute, kv_cache.element_size(), kv_lora_rank)
     max_kv = block_table.shape[1] * page_size
     tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])
@@ -563,42 +539,13 @@ def mla_decode_triton(
         )  # fmt: skip
     else:
         mla_decode_fwd_kernel[grid](
-            q,
-            kv_cache,
-            kv_c_desc,
-            kv_pe_desc,
-            kv_scale,
-            block_table,
-            cache_seqlens,
-            cu_seqlens_q,
-            kv_bounds,
-            part_out,
-            part_lse,
-            qk_scale,
-            N,
-            H,
-            num_head_blocks,
-            splits,
-            q.stride(0),
-            q.stride(1),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            block_table.stride(0),
-            PAGE_SIZE=page_size,
-            DC=kv_lora_rank,
-            DR=D - kv_lora_rank,
-            SEQS_POW2=next_pow2(N + 1),
-            COMPUTE_DTYPE=_TL_DTYPE[compute],
-            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
-            IS_FP8=kv_cache.dtype == FP8,
-            HAS_BOUNDS=kv_bounds is not None,
-            SPLIT=splits > 1,
-            USE_TMA=use_tma,
-            **cfg,
-        )
+            q, kv_cache, kv_c_desc, kv_pe_desc, kv_scale, block_table, cache_seqlens, cu_seqlens_q, kv_bounds,
+            part_out, part_lse, qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), kv_cache.stride(0),
+            kv_cache.stride(1), block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank,
+            SEQS_POW2=next_pow2(N + 1), COMPUTE_DTYPE=_TL_DTYPE[compute],
+            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", IS_FP8=kv_cache.dtype == FP8,
+            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, USE_TMA=use_tma, **cfg,
+        )  # fmt: skip
     if splits > 1:
-        block_r = 16
-        mla_decode_combine_kernel[(cdiv(T * H, block_r),)](
-            part_out, part_lse, out, lse, T * H, splits, DC=kv_lora_rank, BLOCK_R=block_r
-        )
+        launch_combine(part_out, part_lse, out, lse, num_sms(q.device.index))
     return out, lse

@@ -10,11 +10,18 @@ import torch
 
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["D_SPLITS", "MIN_WAVES", "SCHEDULES", "Schedule"]
+__all__ = ["D_SPLITS", "MAX_SMALL_SPLITS", "MAX_SPLITS", "MIN_WAVES", "SCHEDULES", "SMALL_WAVES", "Schedule"]
 
 # Programs per SM that the split count aims for by default: sequences of unequal length leave SMs idle at the end
 # of the last wave unless each SM gets several programs to balance over.
 MIN_WAVES = 4
+# Programs per SM of a launch too small for long splits (`choose_num_kv_splits`): one wave of the two programs an SM
+# that the 16- and 32-row tiles' registers and shared memory allow.
+SMALL_WAVES = 2
+# The most splits of a sequence, by FlashAttention's rule and in a small launch: each adds a [rows, kv_lora_rank]
+# fp32 partial that the combine kernel reads back.
+MAX_SPLITS = 64
+MAX_SMALL_SPLITS = 128
 
 # Latent column groups a schedule may ask for; each group is a tl.dot operand and needs >= 16 columns.
 D_SPLITS = (1, 2, 4)
@@ -48,14 +55,15 @@ class Schedule(NamedTuple):
 # tile is compute-heavy or converted from fp8; gathered tiles stay ahead at bf16 16 and 32 rows. At 64 rows on
 # sm_90 the Gluon warpgroup-MMA kernel (`decode_wgmma`, 64-key tiles in 2 buffers, 2 programs an SM) serves; where
 # it cannot (other GPUs, launches below TMA_MIN_WORK) the Triton kernel runs the same schedule. BLOCK_N=256 (or 128
-# at 64 rows) overflows shared memory. fp8 at 32 rows was not swept and follows 16 rows. A cache whose pages are
-# not a multiple of 64 keys runs these schedules with gathered tiles.
+# at 64 rows) overflows shared memory. fp8 tiles take 5 pipeline stages at 16 rows: Triton then keeps two TMA
+# buffers, so the next tile's copy overlaps this one's work (one program an SM). A cache whose pages are not a
+# multiple of 64 keys runs these schedules with gathered tiles.
 SCHEDULES = {
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
     (2, 64): Schedule(64, 8, 2, 0.0, min_waves=2, tma=True, wgmma=True),
-    (1, 16): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
-    (1, 32): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 16): Schedule(64, 8, 5, 0.0, tma=True),
+    (1, 32): Schedule(64, 8, 2, 0.0, tma=True),
     (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
@@ -69,16 +77,28 @@ def choose_num_kv_splits(
     At least `min_waves` programs per SM where the keys allow (each split keeps >= `min_split_tiles` tiles of the
     capacity `max_kv`, so its pipeline amortises its prologue and the merge stays small); beyond that
     FlashAttention's rule: wave efficiency eff(s) = w / ceil(w) with w = work * s / num_sms, the smallest s within
-    85% of the best.
+    85% of the best. A launch that such splits leave short of one program per SM (a few sequences: decode at
+    batch 1) is bound by the latency of each program's tiles, not by bandwidth, so it splits down to one tile a
+    split, for SMALL_WAVES programs an SM (see `small_launch_splits`). At most MAX_SPLITS splits, or
+    MAX_SMALL_SPLITS in a small launch.
     """
     min_waves = MIN_WAVES if min_waves is None else min_waves
-    max_splits = max(1, min(64, max_kv // (min_split_tiles * block_n)))
-    if work >= min_waves * num_sms or max_splits == 1:
+    tiles = cdiv(max_kv, block_n)
+    if work >= min_waves * num_sms or tiles < min_split_tiles:
         return 1
+    max_splits = max(1, min(MAX_SPLITS, tiles // min_split_tiles))
+    if work * max_splits < num_sms:
+        return small_launch_splits(work, tiles, num_sms)
     lo = 1 if min_waves <= 1 else min(max_splits, math.ceil(min_waves * num_sms / work))
     eff = {s: (work * s / num_sms) / math.ceil(work * s / num_sms) for s in range(lo, max_splits + 1)}
     best = max(eff.values())
     return next(s for s, e in eff.items() if e >= 0.85 * best)
+
+
+def small_launch_splits(work: int, tiles: int, num_sms: int) -> int:
+    """Splits of a launch too small to fill the SMs with long splits: SMALL_WAVES programs an SM where the `tiles`
+    tiles of a sequence allow (down to one tile a split), at most MAX_SMALL_SPLITS."""
+    return max(1, min(tiles, MAX_SMALL_SPLITS, cdiv(SMALL_WAVES * num_sms, work)))
 
 
 def choose_tiles(

@@ -15,8 +15,9 @@ This split beats both the Triton kernel and two warpgroups that split every tile
 deferred second half, the part-by-part refills, a cheaper softmax and (without split-KV) sequences taken longest
 first each gained on top (docs/benchmarks.md has the current times, docs/benchmark-history.md the steps).
 
-Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by `decode.mla_decode_combine_kernel`)
-for 16-bit q with a cache of the same dtype whose pages TMA can copy; `decode._wgmma_ok` says when it serves a call.
+Same contract as `decode.mla_decode_triton` (out, lse, split-KV partials merged by
+`combine_triton.mla_decode_combine_kernel`) for 16-bit q with a cache of the same dtype whose pages TMA can copy;
+`decode._wgmma_ok` says when it serves a call.
 Gluon kernels do not run under TRITON_INTERPRET: `tests/kernels/mla/test_gpu.py::test_gpu_wgmma_kernel` checks
 this one against the torch reference on the GPU, and a CPU test compiles it for sm_90.
 """
@@ -246,9 +247,8 @@ def _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q:
     """(sequence, first query token) of the slot-th BLOCK_Q-token slot when sequences are taken longest first (by
     cache length, ties by index; each with cdiv(s_q, BLOCK_Q) slots), or (-1, 0) past the last slot. With two or
     so waves of programs, each carrying a whole sequence's keys, the SMs that drew the shortest sequences first then
-    take the longest left, instead of the last wave's long sequences running alone (ncu at H=32 s_q=4: 22% of SM
-    cycles idle in sequence order, 5% longest first). Every program ranks all sequences: O(num_seqs^2) work,
-    in chunks of 32 rows."""
+    take the longest left, instead of the last wave's long sequences running alone (docs/benchmark-history.md).
+    Every program ranks all sequences: O(num_seqs^2) work, in chunks of 32 rows."""
     pair: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
     CHUNK: gl.constexpr = 32 if SEQS_POW2 > 32 else SEQS_POW2
     j = gl.arange(0, SEQS_POW2, layout=gl.SliceLayout(0, pair))
@@ -329,11 +329,12 @@ def mla_decode_wgmma_kernel(
     if tok0 >= q_hi:
         return
 
+    # From here to the split range: twin of kernels/mla/decode.py:mla_decode_fwd_kernel (same contract) — a fix
+    # here belongs there too.
     rows = gl.arange(0, BLOCK_M, layout=row_layout)
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
-    # Rows, bounds and split range: twin of `decode`'s Triton kernel (same contract); a fix here goes there too.
     kv_len = gl.load(cache_seqlens_ptr + seq)
     if HAS_BOUNDS:
         bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)

@@ -262,36 +262,12 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config):
     if block_seq.numel() == 0:
         return out, lse
     mla_prefill_fwd_kernel[(block_seq.numel(), H)](
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        block_seq,
-        block_idx,
-        cu_seqlens_q.numel() - 1,
-        float(scale) * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
-        DQK_A=dqk_a,
-        DQK_B=dqk_b,
-        DV_A=dv_a,
-        DV_B=dv_b,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_seq, block_idx, cu_seqlens_q.numel() - 1,
+        float(scale) * _LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), DQK_A=dqk_a, DQK_B=dqk_b, DV_A=dv_a, DV_B=dv_b, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages,
-    )
+    )  # fmt: skip
     return out, lse
 
 

@@ -62,6 +62,61 @@ def test_gpu_bf16_real_shape(nan_empty, monkeypatch, tma, kv, H, s_q):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
+@pytest.mark.parametrize(("lens", "H"), [([4096], 32), ([4000, 1, 4100, 3900, 64, 4096, 2000, 4033], 32),
+                                         ([32768], 16), ([4096], 96)])  # fmt: skip
+def test_gpu_small_batch_many_splits(nan_empty, kv, lens, H):
+    """Batch 1 and 8 at the kimi shapes take the small-launch splits (down to one 64-key tile a split, up to
+    MAX_SMALL_SPLITS partials in the merge) and match the reference."""
+    _gpu()
+    args, _ = make_case(lens, [1] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=kv, seed=len(lens) + H)  # fmt: skip
+    args["scale"] = 192**-0.5
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 32])
+def test_gpu_fp8_queries_beyond_fp16(nan_empty, H):
+    """An fp8 cache computes with fp16 operands (decode_fp8.py): bf16 queries far beyond fp16's range (65504) are
+    scaled per row first, and the result matches the reference."""
+    _gpu()
+    args, _ = make_case([3001, 64, 700], [1, 1, 1], H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=FP8, seed=H)  # fmt: skip
+    args["q"] = args["q"] * 1e5
+    args["q"][:, 0] *= 1e-12  # and a head far below it
+    args["scale"] = 192**-0.5 * 1e-5
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [5, 8])
+@pytest.mark.parametrize(("H", "s_q"), [(16, 1), (32, 1)])
+def test_gpu_fp8_multi_buffered_tiles(nan_empty, monkeypatch, stages, H, s_q):
+    """fp8 schedules at 5 and 8 pipeline stages (Triton then keeps 2 and 3 TMA buffers: the next tiles' copies
+    overlap this tile's work) against the reference, with split-KV and without."""
+    _gpu()
+    monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
+    for key in ((1, 16), (1, 32)):
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.SCHEDULES[key]._replace(num_stages=stages, tma=True))
+    lens = [3001, 1, 64, 65, 700, 4096]
+    args, _ = make_case(lens, [s_q] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=FP8, seed=stages + H)  # fmt: skip
+    args["scale"] = 192**-0.5
+    want_out, want_lse = mla_decode_ref(**args)
+    for splits in (None, 1):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out (splits {splits})", out, want_out.float(), TOL[torch.bfloat16])
+        assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("dtype", "page_size", "H", "s_q", "bounds", "tiles"),
     [

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from kimi_helix.kernels.mla import decode
+from kimi_helix.kernels.mla import decode, decode_schedule
+from kimi_helix.kernels.mla.combine_triton import combine_launch
 from kimi_helix.kernels.mla.decode import mla_decode_triton
 from kimi_helix.kernels.mla.naive import mla_decode_ref, mla_prefill_ref
 from kimi_helix.kernels.mla.prefill import mla_prefill_triton, tile_config
@@ -86,6 +87,26 @@ def test_fp8_cache(nan_empty, dtype):
     assert_rel_close_inf("out", out, want_out.float(), TOL[dtype])
     assert_rel_close_inf("lse", lse, want_lse, 1e-5)
     assert_rel_close_inf("ref vs dense", want_out.float(), dense_decode_attention(args, dense)[0], TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_extreme_key_scales(nan_empty, dtype):
+    """Per-token scales from 1e-23 up to 1e17 (to 1e-1 for fp16 outputs, which cannot hold more), and zeros (an
+    all-zero latent row), over several tiles: the P @ c weights p * scale are normalised by their own running max,
+    so fp16 holds them whatever the scales."""
+    args, _ = make_case([150, 40, 1], [1, 2, 1], H=4, kv_dtype=FP8, dtype=dtype, page_size=16, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    scale = args["kv_scale"].cpu()
+    exponents = torch.randint(-20, 21 if dtype == torch.float32 else 3, scale.shape, generator=gen).double()
+    scale = torch.where(torch.isnan(scale), scale, (10.0**exponents).float() * 1e-3)
+    scale[torch.rand(scale.shape, generator=gen) < 0.1] = 0.0
+    args["kv_scale"] = scale.to(DEVICE)
+    args["q"] = args["q"] * 1e-3  # scores stay finite in fp32: |q . c| * scale < 1e20
+    want_out, want_lse = mla_decode_ref(**args)
+    for splits in (1, 4):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out (splits {splits})", out, want_out.float(), TOL[dtype])
+        assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
@@ -236,7 +257,73 @@ def test_num_kv_splits_heuristic():
     # a split keeps at least min_split_tiles tiles: 8192 keys, 64-key tiles
     assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=4) == 32
     assert decode.choose_num_kv_splits(32, 8192, 64, 132, min_waves=8, min_split_tiles=8) == 16
-    assert 32 <= decode.choose_num_kv_splits(1, 1 << 20, 64, 132) <= 64  # many splits, capped
+    assert decode.choose_num_kv_splits(1, 1 << 20, 64, 132) == decode_schedule.MAX_SMALL_SPLITS  # capped
+
+
+def committed_splits(b, H, s_k, kv_bytes=2):
+    """(tile rows, programs, splits) that mla_decode_triton launches for b decode queries over s_k keys each at
+    the kimi shapes (kv_lora_rank 512) on an H200's 132 SMs."""
+    cfg, sched = decode.choose_tiles(H, b, b, torch.bfloat16, kv_bytes, 512)
+    work = b * decode.cdiv(H, cfg["BLOCK_H"])
+    splits = decode.choose_num_kv_splits(work, s_k, cfg["BLOCK_N"], 132, sched.min_waves, sched.min_split_tiles)
+    return cfg["BLOCK_H"], work * splits, splits
+
+
+@pytest.mark.parametrize("kv_bytes", [2, 1])
+@pytest.mark.parametrize("H", [16, 32, 96])
+def test_small_batches_fill_the_sms(H, kv_bytes):
+    """A launch that long splits cannot spread over the SMs (decode at batch 1 and 8) splits down to one tile a
+    split: a program on every SM at 4k keys and batch 1 for H=96 (two head blocks), and as many programs as
+    one-tile splits give otherwise."""
+    for b, s_k in ((1, 4096), (8, 4096), (1, 32768)):
+        rows, programs, splits = committed_splits(b, H, s_k, kv_bytes)
+        tiles = s_k // 64
+        assert splits <= decode_schedule.MAX_SMALL_SPLITS and s_k // splits >= 64  # at least one 64-key tile a split
+        one_tile_splits = b * decode.cdiv(H, rows) * min(tiles, decode_schedule.MAX_SMALL_SPLITS)
+        assert programs >= min(one_tile_splits, 132), (b, H, s_k, splits)
+    assert committed_splits(1, 32, 4096, kv_bytes)[2] == 64  # was 8 (bf16) or 16 (fp8): 8 or 16 of 132 SMs busy
+
+
+def test_large_batches_keep_their_splits():
+    """Batch 128 at 8k keys keeps the splits the schedules were tuned with (scripts/tune_mla_decode.py)."""
+    assert committed_splits(128, 16, 8192) == (16, 640, 5)
+    assert committed_splits(128, 32, 8192) == (32, 1152, 9)
+    assert committed_splits(128, 16, 8192, kv_bytes=1) == (16, 640, 5)
+    # a launch that long splits fill keeps FlashAttention's rule, at most MAX_SPLITS
+    assert committed_splits(8, 16, 32768, kv_bytes=1)[2] == decode_schedule.MAX_SPLITS
+
+
+@pytest.mark.parametrize(("rows", "splits", "dc"), [(1, 64, 512), (3, 100, 64), (2048, 5, 512), (37, 1, 16)])
+def test_combine_launch_covers_every_row_and_column(rows, splits, dc):
+    grid, meta = combine_launch(rows, splits, dc, 132)
+    assert grid[0] * meta["BLOCK_R"] >= rows > (grid[0] - 1) * meta["BLOCK_R"]
+    assert grid[1] * meta["BLOCK_D"] == dc and meta["SPLITS_POW2"] >= splits
+
+
+def test_combine_launch_spreads_batch_one_over_the_sms():
+    """Batch 1, H=32, 64 splits: a program per (row, 128 columns), where 16-row blocks gave 2 programs."""
+    grid, meta = combine_launch(32, 64, 512, 132)
+    assert grid == (32, 4) and meta["BLOCK_R"] == 1
+
+
+@needs_triton
+def test_many_splits_match_unsplit(nan_empty, fwd_launches):
+    """Batch 1 over 1000 keys takes the small-launch schedule (many one-tile splits, several of them empty for the
+    shorter sequence of a batch of 2), and the merge of up to MAX_SMALL_SPLITS partials equals one pass."""
+    args, dense = make_case([1000, 300], [1, 1], H=16, page_size=32, dtype=torch.float16, seed=7)
+    out, lse = mla_decode_triton(**args)
+    assert fwd_launches[-1]["SPLIT"]
+    sched = decode.SCHEDULES[(2, 16)]
+    max_kv = args["block_table"].shape[1] * 32
+    assert decode.choose_num_kv_splits(2, max_kv, 64, 132, sched.min_waves, sched.min_split_tiles) >= 16
+    base_out, base_lse = mla_decode_triton(**args, num_kv_splits=1)
+    assert_rel_close_inf("out", out, base_out, TOL[torch.float16])
+    assert_rel_close_inf("lse", lse, base_lse, 1e-5)
+    want_out, want_lse = dense_decode_attention(args, dense)
+    assert_rel_close_inf("out vs dense", out.float().cpu(), want_out.float(), TOL[torch.float16])
+    out, lse = mla_decode_triton(**args, num_kv_splits=decode_schedule.MAX_SMALL_SPLITS)
+    assert_rel_close_inf("out, MAX_SMALL_SPLITS", out, base_out, TOL[torch.float16])
+    assert_rel_close_inf("lse, MAX_SMALL_SPLITS", lse, base_lse, 1e-5)
 
 
 def test_rejects_unsupported_inputs():
