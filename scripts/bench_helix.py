@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.preset}, {config.num_hidden_layers} layers, {meta['dtype']}, {world} rank(s): {cases}")
     rows: list[dict] = []
     try:
-        with JsonlWriter(args.out if rank == 0 else None) as results:
+        with JsonlWriter(args.out if rank == 0 else None, echo=sys.stderr if rank == 0 else None) as results:
             for tp, cp in cases:
                 torch.manual_seed(0)  # the same weights on every rank, sharded by each
                 model = None
