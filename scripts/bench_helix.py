@@ -10,7 +10,8 @@ batch) builds `LLM(model, tensor_parallel_size=tp, context_parallel_size=cp)` on
 without a prefill, as scripts/bench_e2e.py does (random latents in each rank's own pages, random KDA states,
 lengths set). The timed steps are the engine's own `LLM.step()`: first plain greedy decode steps, then verify steps
 of the last token plus --k random drafts per request (the engine's verify phase, rollback of rejected drafts
-included). ms_per_step is the slowest rank's wall clock per step.
+included; eager, as the rollback needs the KDA states a replayed graph does not keep). ms_per_step is the slowest
+rank's wall clock per step.
 
 a2a_ms times the Helix all-to-all on its own: the same exchange (`Communicator.all_to_all_cp` of the packed
 [cp, T, H / (tp cp), kv_lora_rank + 1] fp32 partials and LSEs, once per MLA layer) as one step makes, between
@@ -139,7 +140,10 @@ def bench_case(model, args, tp: int, cp: int, context: int, batch: int, device) 
     fill_cache(llm, batch, context, max_tokens - 1, config.vocab_size, seed=batch)
     rank = llm.comm.mapping.rank if llm.comm is not None else 0
     rows = []
+    graphs = llm.runner.graphs
     for phase, drafts in zip(PHASES, (0, args.k)):
+        # A replayed verify graph keeps no per-token KDA states, which the rollback of rejected drafts needs.
+        llm.runner.graphs = graphs if phase == "decode" else None
         gen = torch.Generator().manual_seed(context + batch)
         timed_steps(llm, args.warmup, drafts, config.vocab_size, gen)
         ms = slowest(timed_steps(llm, args.steps, drafts, config.vocab_size, gen), device)
