@@ -17,7 +17,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "generate.py")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-PROMPT, NEW_TOKENS = "def fibonacci(n):\n    ", "24"
+# 4 pages of 64 tokens (the default page) and more, so that every rank of cp = 4 owns part of the context
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n" * 3
+NEW_TOKENS = "24"
 
 pytestmark = pytest.mark.gpu
 
