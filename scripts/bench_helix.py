@@ -39,7 +39,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
-from bench_common import JsonlWriter, run_metadata  # noqa: E402
+from bench_common import JsonlWriter, int_list, print_markdown_table, run_metadata  # noqa: E402
 from bench_e2e import fill_cache, random_model, release, sync, truncated_config  # noqa: E402
 
 from kimi_helix.engine import LLM  # noqa: E402
@@ -233,21 +233,18 @@ def main(argv: list[str] | None = None) -> int:
         if ctx is not None:
             ctx.close()
     if rank == 0:
-        print_table(rows)
+        print_markdown_table(rows, TABLE)
     return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def ints(s: str) -> list[int]:
-        return [int(x) for x in s.split(",")]
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny preset, short contexts, few steps (CPU, seconds)")
     p.add_argument("--preset", default=None, help="model shapes (default: kimi-linear-48b-a3b; tiny with --smoke)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: 8; all with --smoke)")
     p.add_argument("--cp", type=int, default=None, choices=(1, 2, 4), help="only the layout with this cp")
-    p.add_argument("--contexts", type=ints, default=None, help="comma-separated (default: 32768,131072,524288)")
-    p.add_argument("--batches", type=ints, default=None, help="comma-separated (default: 1,8)")
+    p.add_argument("--contexts", type=int_list, default=None, help="comma-separated (default: 32768,131072,524288)")
+    p.add_argument("--batches", type=int_list, default=None, help="comma-separated (default: 1,8)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per phase (default: 10)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before each phase (default: 2)")
     p.add_argument("--k", type=int, default=4, help="drafts per request in a verify step")
@@ -270,14 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = ["tp", "cp", "context", "batch", "phase", "mode", "ms_per_step", "a2a_ms", "a2a_share", "bytes_per_rank",
-            "bytes_formula", "speedup_vs_cp1", "skipped"]  # fmt: skip
-    cols = [c for c in cols if any(c in r for r in rows)]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+TABLE = ["tp", "cp", "context", "batch", "phase", "mode", "ms_per_step", "a2a_ms", "a2a_share", "bytes_per_rank",
+         "bytes_formula", "speedup_vs_cp1", "skipped"]  # fmt: skip
 
 
 if __name__ == "__main__":
