@@ -92,9 +92,10 @@ class DistContext:
         A peer that stops beating without closing fails this rank's next collective, which raises
         `RankFailureError`. The watchdog is the backstop for a main thread that no exception reaches (a CUDA
         synchronisation behind an NCCL kernel waiting for the dead peer): when a peer, or the store, has been silent
-        for the collective timeout plus 3 beats, it names the peer on stderr and ends the process (exit code 1).
+        for the collective timeout less one beat, it names the peer on stderr and ends the process (exit code 1),
+        before NCCL's own watchdog would abort the collective without naming anyone.
         """
-        limit = self.timeout_s + 3 * self.heartbeat_s
+        limit = self.timeout_s - self.heartbeat_s
         seen = {r: (-1, time.monotonic()) for r in self.others}
         store_ok = time.monotonic()
         while not self._stop.wait(self.heartbeat_s):

@@ -35,7 +35,7 @@ def _loop(rank, world):
         return f"RankFailureError: {e}"
 
 
-TIMEOUT_S = 4.0  # the collective timeout the ranks run with
+TIMEOUT_S = 6.0  # the collective timeout the ranks run with
 MARGIN_S = 30.0  # process start-up and teardown on a loaded CPU
 
 
