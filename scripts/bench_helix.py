@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**run_metadata(), "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
             "layers": config.num_hidden_layers, "world": world}  # fmt: skip
     base = baselines(args.out, meta["gpu"], meta)
-    cases = [(tp, cp) for tp, cp in layouts(world, args.cp)]
+    cases = layouts(world, args.cp)
     if not cases:
         raise SystemExit(f"--cp {args.cp} does not divide the world size {world}")
     if rank == 0:
