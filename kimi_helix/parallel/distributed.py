@@ -42,6 +42,7 @@ class DistContext:
     timeout_s: float
     store: dist.Store
     heartbeat_s: float
+    collectives: int = 0  # collectives this rank has entered, published with each heartbeat
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -58,8 +59,9 @@ class DistContext:
         """The ranks that failed first, with the reason; waits up to 3 heartbeats.
 
         First those that reported an error of their own, else those whose heartbeat stopped without a clean
-        `close()` (killed or hung). A rank that only reports a `RankFailureError` about another rank is named only
-        when neither is found: it names the first failure itself.
+        `close()` (killed), else live ones that never entered this collective (hung elsewhere). A rank that only
+        reports a `RankFailureError` about another rank is named only when none is found: it names the first
+        failure itself.
         """
         try:
             before = {r: self._beat(r) for r in self.others}
@@ -76,9 +78,23 @@ class DistContext:
                 for r in self.others
                 if r not in reports and self._beat(r) == before[r] and not self._closed(r)
             }
-            return own or stopped or reports
+            return own or stopped or self._behind(exclude=reports) or reports
         except Exception as e:  # noqa: BLE001 (the store lives on rank 0, or on torchrun's agent)
             return {0: f"the shared store is unreachable ({type(e).__name__}); rank 0 or the launcher is gone"}
+
+    def _behind(self, exclude) -> dict[int, str]:
+        """Live ranks that have not entered the collective this rank waits in (hung outside collectives): every
+        rank makes the same sequence of collectives, so a lower count than ours means it never arrived."""
+        live = [r for r in self.others if r not in exclude and self._progressed(r)]
+        counts = {r: int(self.store.get(f"{_PREFIX}/progress/{r}")) for r in live}
+        return {
+            r: f"alive but stuck: it entered {n} collectives, this rank {self.collectives}"
+            for r, n in counts.items()
+            if n < self.collectives
+        }
+
+    def _progressed(self, rank: int) -> bool:
+        return self.store.check([f"{_PREFIX}/progress/{rank}"])
 
     def _beat(self, rank: int) -> int:
         return self.store.add(f"{_PREFIX}/heartbeat/{rank}", 0)
@@ -102,6 +118,7 @@ class DistContext:
             now = time.monotonic()
             try:
                 self.store.add(f"{_PREFIX}/heartbeat/{self.rank}", 1)
+                self.store.set(f"{_PREFIX}/progress/{self.rank}", str(self.collectives))
                 for r in self.others:
                     beat = self._beat(r)
                     if beat != seen[r][0]:
@@ -197,6 +214,8 @@ class Communicator:
 
     def _run(self, kind: str, nbytes: int, op):
         self.bytes_sent[kind] += nbytes
+        if self.ctx is not None:
+            self.ctx.collectives += 1
         try:
             return op()
         except Exception as e:

@@ -123,3 +123,24 @@ def test_watchdog_ends_a_rank_stuck_outside_collectives(tmp_path):
     assert exits[0] <= TIMEOUT_S + MARGIN_S and procs[0].exitcode == 1, (exits, procs[0].exitcode)
     line = (tmp_path / "rank0.log").read_text().strip().splitlines()[-1]
     assert line.startswith("RankFailureError: rank 0: watchdog: rank 1: sent no heartbeat"), line
+
+
+def _one_rank_hangs(rank, world):
+    """Rank 1 stops calling collectives (its heartbeat thread still runs) while rank 0 waits in an all-reduce."""
+    ctx = init_distributed(timeout_s=TIMEOUT_S)
+    comm = Communicator.create(Mapping(tp=world, cp=1, rank=rank), ctx)
+    try:
+        for step in range(10):
+            if rank == 1 and step == 3:
+                time.sleep(3 * TIMEOUT_S)  # hung, then gone
+                return "woke up"
+            comm.all_reduce(torch.ones(4))
+        return "finished"
+    finally:
+        ctx.close()
+
+
+def test_hung_rank_is_named_by_its_collective_count():
+    results = spawn(_one_rank_hangs, 2, timeout_s=90)
+    status, message = results[0]
+    assert status == "error" and "rank 1: alive but stuck: it entered 3 collectives, this rank 4" in message, results
