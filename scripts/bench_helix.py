@@ -68,6 +68,14 @@ def cache_need(config, tp: int, cp: int, batch: int, max_len: int, page_size: in
     return pages * page_size * cache_bytes_per_token(config, itemsize) + state
 
 
+def skip_reason(need: int, free: int) -> str | None:
+    """Why a case whose cache needs `need` bytes per rank cannot run with `free` bytes free, or None if it fits."""
+    if need + ACTIVATION_RESERVE <= free:
+        return None
+    reserve = ACTIVATION_RESERVE / 2**30
+    return f"cache needs {need / 2**30:.1f} GiB per rank (+{reserve:g} GiB reserve), {free / 2**30:.1f} GiB free"
+
+
 def time_all_to_all(llm: LLM, tokens: int, reps: int) -> float:
     """ms per step of the Helix all-to-all alone: one exchange of the step's packed partials per MLA layer."""
     comm, config = llm.comm, llm.model.config
@@ -121,10 +129,9 @@ def bench_case(model, args, tp: int, cp: int, context: int, batch: int, device) 
     base = dict(tp=tp, cp=cp, context=context, batch=batch, layers=config.num_hidden_layers, k=args.k)
     need = cache_need(config, tp, cp, batch, max_len, args.page_size, model.dtype.itemsize)
     if device.type == "cuda":
-        free = -slowest(-torch.cuda.mem_get_info(device)[0], device)  # the tightest rank's
-        if need + ACTIVATION_RESERVE > free:
-            why = f"cache needs {need / 2**30:.1f} GiB per rank (+{ACTIVATION_RESERVE >> 30} GiB reserve), "
-            return [dict(base, phase=p, skipped=why + f"{free / 2**30:.1f} GiB free") for p in PHASES]
+        why = skip_reason(need, -slowest(-torch.cuda.mem_get_info(device)[0], device))  # the tightest rank's
+        if why is not None:
+            return [dict(base, phase=p, skipped=why) for p in PHASES]
     llm = LLM(
         model,
         device=device,

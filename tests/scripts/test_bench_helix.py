@@ -66,3 +66,9 @@ def test_layouts_of_a_world():
     layouts = _load().layouts
     assert layouts(1) == [(1, 1)] and layouts(4) == [(4, 1), (2, 2), (1, 4)] and layouts(4, cp=2) == [(2, 2)]
     assert layouts(2, cp=4) == []
+
+
+def test_a_case_that_does_not_fit_is_skipped_with_the_sizes():
+    skip_reason = _load().skip_reason
+    assert skip_reason(1 << 30, 16 << 30) is None
+    assert skip_reason(13 << 30, 16 << 30) == "cache needs 13.0 GiB per rank (+4 GiB reserve), 16.0 GiB free"
