@@ -17,6 +17,9 @@ from kimi_helix.parallel.distributed import Communicator, RankFailureError, init
 
 from .harness import collect, parallel_test_config, spawn, start, stop
 
+TIMEOUT_S = 6.0  # the collective timeout the ranks run with
+MARGIN_S = 30.0  # process start-up and teardown on a loaded CPU
+
 
 def _loop(rank, world):
     ctx = init_distributed(timeout_s=10)
@@ -33,10 +36,6 @@ def _loop(rank, world):
         return run_guarded(main, ctx)
     except RankFailureError as e:
         return f"RankFailureError: {e}"
-
-
-TIMEOUT_S = 6.0  # the collective timeout the ranks run with
-MARGIN_S = 30.0  # process start-up and teardown on a loaded CPU
 
 
 def _decode_until_killed(rank, world, victim):
