@@ -452,17 +452,7 @@ def _generate_parallel(args: argparse.Namespace) -> None:
 
     args.model = args.model or demo_model_dir()
 
-    text, _ = generate_parallel(
-        args.model,
-        args.prompt,
-        tp=args.tp,
-        cp=args.cp,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        dtype=_dtype(args.dtype) if args.dtype else None,
-        page_size=args.page_size,
-    )
+    text, _ = generate_parallel(args)
     if text is not None:
         print(text.translate(_ESCAPE_CONTROLS))
 

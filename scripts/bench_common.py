@@ -19,7 +19,17 @@ from typing import TextIO
 
 import torch
 
-__all__ = ["JsonlWriter", "bench_ms", "copy_tbps", "git_commit", "matmul_tflops", "precompile", "run_metadata"]
+__all__ = [
+    "JsonlWriter",
+    "bench_ms",
+    "copy_tbps",
+    "git_commit",
+    "int_list",
+    "matmul_tflops",
+    "precompile",
+    "print_markdown_table",
+    "run_metadata",
+]
 
 
 def git_commit() -> str:
@@ -131,3 +141,17 @@ class JsonlWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: "1,8,64" -> [1, 8, 64]."""
+    return [int(x) for x in text.split(",")]
+
+
+def print_markdown_table(rows: list[dict], cols: list[str]) -> None:
+    """Print `rows` as a Markdown table of those of `cols` that some row has (blank where a row lacks one)."""
+    cols = [c for c in cols if any(c in r for r in rows)]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")

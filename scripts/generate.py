@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 4 scripts/generate.py --model DIR --tp 2 --cp 2 --prompt "Hello"
 
 Every rank loads only its own slices of the checkpoint; rank 0 prints the continuation (the same text as
-`kimi-helix generate` on one process) and, with --stats, the bytes each step sent from rank 0. NCCL on CUDA, gloo
-on CPU. If a rank fails, the others stop within --timeout seconds naming it.
+`kimi-helix generate` on one process), with --stats the bytes each step sent from rank 0, and with --save-logits
+each step's logits. NCCL on CUDA, gloo on CPU. If a rank fails, the others stop within --timeout seconds naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=64, help="tokens per cache page (the Helix ownership unit)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits for a peer before aborting")
     p.add_argument("--stats", action="store_true", help="print the bytes rank 0 sent per step")
+    p.add_argument(
+        "--save-logits", type=Path, metavar="FILE", help="rank 0 saves each step's fp32 logits [R, V] (torch.save)"
+    )
     args = p.parse_args(argv)
     for name in ("tp", "cp", "max_new_tokens", "page_size"):
         if getattr(args, name) < 1:
@@ -46,23 +49,15 @@ def main(argv=None) -> int:
 
     from kimi_helix.parallel.launch import generate_parallel
 
-    text, metrics = generate_parallel(
-        args.model,
-        args.prompt,
-        tp=args.tp,
-        cp=args.cp,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        dtype=getattr(torch, args.dtype) if args.dtype else None,
-        page_size=args.page_size,
-        timeout_s=args.timeout,
-    )
+    logits: list = []
+    text, metrics = generate_parallel(args, on_logits=(lambda x: logits.append(x.cpu())) if args.save_logits else None)
     if text is not None:  # rank 0
         print(text.translate(_ESCAPE_CONTROLS))
         if args.stats:
             for m in metrics:
                 print(f"step {m.step}: {m.scheduled_tokens} tokens, {m.bytes_sent} bytes sent", file=sys.stderr)
+        if args.save_logits:
+            torch.save(logits, args.save_logits)
     return 0
 
 

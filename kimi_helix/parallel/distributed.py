@@ -3,7 +3,8 @@
 `init_distributed()` reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (what torchrun sets),
 uses NCCL on CUDA and gloo on CPU, and starts a heartbeat thread. Every collective goes through a `Communicator`,
 which counts the bytes each rank sends per step and turns a failed or timed-out collective into `RankFailureError`
-naming the rank that stopped: a dead peer makes every other rank raise within the timeout instead of hanging.
+naming the rank that stopped: a dead peer makes every other rank raise within the timeout instead of hanging. The
+heartbeat thread doubles as a watchdog that ends a rank whose main thread no error reaches (`DistContext.watch`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -40,7 +42,12 @@ class DistContext:
     timeout_s: float
     store: dist.Store
     heartbeat_s: float
+    collectives: int = 0  # collectives this rank has entered, published with each heartbeat
     _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def others(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
 
     def report_failure(self, error: BaseException) -> None:
         """Tell the other ranks why this rank is stopping (read by their `failed_ranks`)."""
@@ -49,39 +56,95 @@ class DistContext:
             self.store.set(f"{_PREFIX}/failed/{self.rank}", f"{type(error).__name__}: {error}"[:2000])
 
     def failed_ranks(self) -> dict[int, str]:
-        """Ranks that reported an error or whose heartbeat stopped, with the reason; waits up to 3 heartbeats."""
-        found: dict[int, str] = {}
-        others = [r for r in range(self.world_size) if r != self.rank]
+        """The ranks that failed first, with the reason; waits up to 3 heartbeats.
+
+        First those that reported an error of their own, else those whose heartbeat stopped without a clean
+        `close()` (killed), else live ones that never entered this collective (hung elsewhere). A rank that only
+        reports a `RankFailureError` about another rank is named only when none is found: it names the first
+        failure itself.
+        """
         try:
-            before = {r: self._beat(r) for r in others}
+            before = {r: self._beat(r) for r in self.others}
             deadline = time.monotonic() + 3 * self.heartbeat_s
-            while time.monotonic() < deadline:
-                for r in others:
-                    key = f"{_PREFIX}/failed/{r}"
-                    if self.store.check([key]):
-                        found[r] = self.store.get(key).decode()
-                if found:
-                    return found
+            while True:
+                keys = {r: f"{_PREFIX}/failed/{r}" for r in self.others}
+                reports = {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+                own = {r: why for r, why in reports.items() if not why.startswith(RankFailureError.__name__)}
+                if own or time.monotonic() > deadline:
+                    break
                 time.sleep(self.heartbeat_s / 4)
-            return {r: "stopped sending heartbeats (killed or hung)" for r in others if self._beat(r) == before[r]}
+            stopped = {
+                r: "stopped sending heartbeats (killed or hung)"
+                for r in self.others
+                if r not in reports and self._beat(r) == before[r] and not self._closed(r)
+            }
+            return own or stopped or self._behind(exclude=reports) or reports
         except Exception as e:  # noqa: BLE001 (the store lives on rank 0, or on torchrun's agent)
             return {0: f"the shared store is unreachable ({type(e).__name__}); rank 0 or the launcher is gone"}
+
+    def _behind(self, exclude) -> dict[int, str]:
+        """Live ranks that have not entered the collective this rank waits in (hung outside collectives): every
+        rank makes the same sequence of collectives, so a lower count than ours means it never arrived."""
+        live = [r for r in self.others if r not in exclude and self._progressed(r)]
+        counts = {r: int(self.store.get(f"{_PREFIX}/progress/{r}")) for r in live}
+        return {
+            r: f"alive but stuck: it entered {n} collectives, this rank {self.collectives}"
+            for r, n in counts.items()
+            if n < self.collectives
+        }
+
+    def _progressed(self, rank: int) -> bool:
+        return self.store.check([f"{_PREFIX}/progress/{rank}"])
 
     def _beat(self, rank: int) -> int:
         return self.store.add(f"{_PREFIX}/heartbeat/{rank}", 0)
 
+    def _closed(self, rank: int) -> bool:
+        return self.store.check([f"{_PREFIX}/closed/{rank}"])
+
+    def watch(self) -> None:
+        """The heartbeat thread's loop: beat every `heartbeat_s`, and watch the other ranks' beats.
+
+        A peer that stops beating without closing fails this rank's next collective, which raises
+        `RankFailureError`. The watchdog is the backstop for a main thread that no exception reaches (a CUDA
+        synchronisation behind an NCCL kernel waiting for the dead peer): when a peer, or the store, has been silent
+        for the collective timeout less one beat, it names the peer on stderr and ends the process (exit code 1),
+        before NCCL's own watchdog would abort the collective without naming anyone.
+        """
+        limit = self.timeout_s - self.heartbeat_s
+        seen = {r: (-1, time.monotonic()) for r in self.others}
+        store_ok = time.monotonic()
+        while not self._stop.wait(self.heartbeat_s):
+            now = time.monotonic()
+            try:
+                self.store.add(f"{_PREFIX}/heartbeat/{self.rank}", 1)
+                self.store.set(f"{_PREFIX}/progress/{self.rank}", str(self.collectives))
+                for r in self.others:
+                    beat = self._beat(r)
+                    if beat != seen[r][0]:
+                        seen[r] = (beat, now)
+                    elif now - seen[r][1] > limit and not self._closed(r):
+                        self._abort(f"rank {r}: sent no heartbeat for {limit:.0f} s (killed or hung)")
+                store_ok = now
+            except Exception as e:  # noqa: BLE001 (rank 0 or the launcher hosting the store is gone)
+                if now - store_ok > limit:
+                    self._abort(f"rank 0: the shared store is unreachable ({type(e).__name__}) for {limit:.0f} s")
+
+    def _abort(self, reason: str) -> None:
+        if self._stop.is_set():  # closed meanwhile: the run ended cleanly
+            return
+        error = RankFailureError(f"rank {self.rank}: watchdog: {reason}; exiting")
+        self.report_failure(error)
+        print(f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
+
     def close(self) -> None:
+        """Stop the heartbeat (marked as a clean exit, so no peer's watchdog fires) and leave the group."""
         self._stop.set()
+        with contextlib.suppress(Exception):
+            self.store.set(f"{_PREFIX}/closed/{self.rank}", "1")
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _heartbeat(store: dist.Store, rank: int, every_s: float, stop: threading.Event) -> None:
-    while not stop.wait(every_s):
-        try:
-            store.add(f"{_PREFIX}/heartbeat/{rank}", 1)
-        except Exception:  # noqa: BLE001 (the store is gone: the run is over)
-            return
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.device | None = None) -> DistContext:
@@ -111,10 +174,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | torch.d
     store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=timeout)
     store = dist.PrefixStore(f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    beat = min(1.0, timeout_s / 10)
-    ctx = DistContext(rank, world, device, backend, timeout_s, store, beat)
+    ctx = DistContext(rank, world, device, backend, timeout_s, store, heartbeat_s=min(1.0, timeout_s / 10))
     store.add(f"{_PREFIX}/heartbeat/{rank}", 1)
-    threading.Thread(target=_heartbeat, args=(store, rank, beat, ctx._stop), daemon=True).start()
+    threading.Thread(target=ctx.watch, name=f"{_PREFIX}-heartbeat", daemon=True).start()
     return ctx
 
 
@@ -152,6 +214,8 @@ class Communicator:
 
     def _run(self, kind: str, nbytes: int, op):
         self.bytes_sent[kind] += nbytes
+        if self.ctx is not None:
+            self.ctx.collectives += 1
         try:
             return op()
         except Exception as e:

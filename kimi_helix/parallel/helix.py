@@ -26,7 +26,7 @@ from ..engine.cache import PagedCache, PageLedger, SequenceBlocks
 from ..kernels.launch import cdiv
 from ..kernels.mla import combine_partials, mla_decode, sanitize_empty
 from ..modeling.batch import ForwardBatch, Phase
-from ..modeling.config import KimiK3Config
+from ..modeling.config import FULL_ATTENTION, KimiK3Config
 from ..modeling.paged_mla import PagedLatents, absorb_query, store_latents, unabsorb_output
 from .distributed import Communicator
 from .ownership import Ownership
@@ -46,6 +46,30 @@ def exchange_and_combine(out: torch.Tensor, lse: torch.Tensor, comm: Communicato
     received = comm.all_to_all_cp(packed.transpose(0, 1))  # [cp (source), T, Hq / cp, r + 1]
     merged, _ = combine_partials(received[..., :r].reshape(cp, -1, r), received[..., r].reshape(cp, -1))
     return merged.view(t, hq // cp, r)
+
+
+def step_bytes(
+    config: KimiK3Config, tp: int, cp: int, tokens: int, logit_rows: int, sampled: int, itemsize: int, rank: int = 0
+) -> dict[str, int]:
+    """docs/helix.md's formula: bytes `rank` sends to its peers in one engine step, by collective kind.
+
+    tokens: the step's new tokens (T); logit_rows: rows of the lm_head output (R); sampled: token ids rank 0
+    broadcasts (s); itemsize: activation bytes (b). No term depends on the context length.
+    """
+    world = tp * cp
+    if world == 1:
+        return {}
+    mla_layers = config.layer_types.count(FULL_ATTENTION)
+    out = {
+        "all_reduce": (1 + 2 * config.num_hidden_layers) * tokens * config.hidden_size * itemsize,
+        "all_gather": logit_rows * config.vocab_size // world * itemsize * (world - 1),
+    }
+    if cp > 1:  # fp32 partials and LSE of H / tp heads, all but this rank's own share
+        heads = config.num_attention_heads // tp
+        out["all_to_all"] = mla_layers * tokens * heads * (config.kv_lora_rank + 1) * 4 * (cp - 1) // cp
+    if rank == 0 and sampled:
+        out["broadcast"] = 8 * sampled
+    return out
 
 
 class HelixAttention:

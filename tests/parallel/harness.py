@@ -47,13 +47,14 @@ def _child(rank, world, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException as e:  # noqa: BLE001 (the parent reports every rank's failure)
+    except BaseException as e:  # the parent reports every rank's failure; the exit code shows it too
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise
 
 
-def spawn(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[str, object]]:
-    """Run `fn(rank, world, *args)` in `world` fresh processes; returns {rank: ("ok", result) | ("error", text)}.
-    Ranks that exit without reporting are missing from the result."""
+def start(fn, world: int, *args) -> tuple[list, object]:
+    """Start `fn(rank, world, *args)` in `world` fresh processes; returns (processes, queue of (rank, status,
+    value) reports)."""
     ctx = mp.get_context("forkserver")
     # The fork server is a fresh process (no inherited threads or process groups) that imports these once; every
     # rank forks from it instead of re-importing torch and transformers (tens of seconds on a loaded CPU).
@@ -63,20 +64,34 @@ def spawn(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[st
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout_s
-    # Stop waiting once every rank reported or exited (a killed rank never reports).
-    while len(results) < world and time.monotonic() < deadline:
+    return procs, queue
+
+
+def collect(procs, queue, results: dict, deadline: float) -> None:
+    """Add reports to `results` until every rank reported or exited, or `deadline` (monotonic) passes."""
+    while len(results) < len(procs) and time.monotonic() < deadline:
         try:
             rank, status, value = queue.get(timeout=0.2)
             results[rank] = (status, value)
         except queue_module.Empty:
             if not any(p.is_alive() for p in procs) and queue.empty():
                 break
+
+
+def stop(procs) -> None:
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+
+
+def spawn(fn, world: int, *args, timeout_s: float = 120.0) -> dict[int, tuple[str, object]]:
+    """Run `fn(rank, world, *args)` in `world` fresh processes; returns {rank: ("ok", result) | ("error", text)}.
+    Ranks that exit without reporting are missing from the result."""
+    procs, queue = start(fn, world, *args)
+    results: dict[int, tuple[str, object]] = {}
+    collect(procs, queue, results, time.monotonic() + timeout_s)  # a killed rank never reports
+    stop(procs)
     return results
 
 
