@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..kernels.backends import BackendChoice
-from ..kernels.moe import fused_experts
+from ..kernels.moe import SharedExperts, fused_experts
 from ..kernels.router import moe_router
 from .config import KimiK3Config
 from .layers import SwiGLU
@@ -65,9 +65,19 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU)."""
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, backend=self.backends.kernels)
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: SwiGLU | None = None
+    ) -> torch.Tensor:
+        """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU).
+
+        `shared`, the block's shared experts, joins the same kernels at weight 1, its weights read in place.
+        """
+        shared_weights = None
+        if shared is not None:
+            shared_weights = SharedExperts(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        return fused_experts(
+            x, self.gate_up_proj, self.down_proj, weights, ids, shared_weights, backend=self.backends.kernels
+        )
 
 
 class SparseMoE(nn.Module):
@@ -84,6 +94,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if isinstance(self.experts, RoutedExperts):
+            return self.experts(x, weights, ids, self.shared_experts)
+        # tensor parallelism swaps in expert-parallel experts (`parallel.tp`), which add no shared experts
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
