@@ -16,6 +16,7 @@ import torch.nn.functional as F
 __all__ = ["SharedExperts", "fused_experts_ref", "moe_router_ref"]
 
 
+# Twin of kernels/router/triton.py:moe_router_triton (same signature and results): a change to one belongs in both.
 def moe_router_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
