@@ -79,6 +79,7 @@ class SharedExperts(NamedTuple):
     down: torch.Tensor
 
 
+# Twin of triton.py:fused_experts_triton (same signature and maths): a change to one belongs in both.
 def fused_experts_ref(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,

@@ -382,6 +382,7 @@ def _sort_pairs(flat_ids, num_pairs: int, top_k: int, slots: int, num_routed: in
     return sorted_pairs, counts, block_cum, num_row_blocks
 
 
+# Twin of naive.py:fused_experts_ref (same signature and maths): a change to one belongs in both.
 def fused_experts_triton(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
