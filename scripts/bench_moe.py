@@ -61,6 +61,14 @@ SWEEP = [
 ]
 
 
+def sweeps(cfg: MoeConfig, tokens: int) -> bool:
+    """Whether the sweep times `cfg` at `tokens`: unsorted re-reads an expert for every pair that picks it, so only
+    for a few tokens; 64/128-row blocks are mostly padding at a decode's few pairs per expert."""
+    if not cfg.sort_pairs:
+        return tokens <= 8
+    return cfg.block_m <= 32 or tokens > 64
+
+
 def config_name(cfg: MoeConfig) -> str:
     return (
         f"m{cfg.block_m}_gu{cfg.block_n_gate_up}x{cfg.block_k_gate_up}_dn{cfg.block_n_down}x{cfg.block_k_down}"
@@ -137,8 +145,7 @@ def main(argv=None) -> list[dict]:
             if T <= REF_MAX_TOKENS:
                 runs.append(("torch_ref", None, False))
             if args.sweep:
-                # unsorted re-reads an expert for every pair that picks it: hopeless past a few tokens
-                runs += [(f"triton:{config_name(c)}", c, True) for c in SWEEP if c.sort_pairs or T <= 2]
+                runs += [(f"triton:{config_name(c)}", c, True) for c in SWEEP if sweeps(c, T)]
             for backend, cfg, graph in runs:
                 rec = dict(base, tokens=T, backend=backend, experts_touched=touched, ms=None)
                 try:
