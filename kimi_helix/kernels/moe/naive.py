@@ -1,9 +1,10 @@
-"""Pure-PyTorch references for the routed MoE: sigmoid top-k routing and the loop over experts.
+"""Pure-PyTorch references for the MoE: sigmoid top-k routing and the loop over the routed (and shared) experts.
 
 Routing follows `kimi_helix.modeling.moe.TopkRouter` (DeepSeek-V3 / Kimi-Linear): scores are computed in fp32;
 the *selection* adds `e_score_correction_bias` (optionally limited to the best expert groups); the *weights* are
 the unbiased scores of the chosen experts, renormalised, times the scaling factor. Experts are stacked:
 `gate_up_proj` [E, 2I, d] holds each expert's gate (w1) over its up (w3) projection, `down_proj` [E, d, I] is w2.
+The shared experts are one SwiGLU of intermediate I_s, applied to every token at weight 1 (`SharedExperts`).
 """
 
 from __future__ import annotations
