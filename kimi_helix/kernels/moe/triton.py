@@ -57,8 +57,8 @@ class MoeConfig:
 
     Unsorted, every pair is a block of its own (one valid row of `block_m`): no sort launch, but an expert chosen
     by several pairs is read once per pair, so it pays only for a handful of pairs. The down tiles then belong to
-    `moe_combine_down_kernel`, one program per (token, `block_n_down` outputs), which wants narrow tiles: there are
-    only T * d / block_n_down programs.
+    `moe_combine_down_kernel`, one program per (token, `block_n_down` outputs), which wants narrow, deep tiles:
+    there are only T * d / block_n_down programs, and each must keep enough weight bytes in flight.
     """
 
     block_m: int
@@ -76,7 +76,7 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
         if num_pairs <= UNSORTED_MAX_PAIRS:
-            return MoeConfig(16, 32, 128, 16, 256, num_warps=4, num_stages=4, sort_pairs=False)
+            return MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=4, sort_pairs=False)
         return MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 96:
         return MoeConfig(64, 64, 64, 128, 64, num_warps=4, num_stages=3)
