@@ -58,6 +58,9 @@ class RoutedExperts(nn.Module):
     Checkpoints store them per expert (`experts.{e}.w1.weight`, ...); `checkpoint.py` converts.
     """
 
+    # `forward` takes the block's shared experts and runs them in the same kernels (read by `SparseMoE`)
+    fuses_shared_experts = True
+
     def __init__(self, config: KimiK3Config):
         super().__init__()
         e, i, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
@@ -94,9 +97,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if isinstance(self.experts, RoutedExperts):
+        if getattr(self.experts, "fuses_shared_experts", False):
             return self.experts(x, weights, ids, self.shared_experts)
-        # tensor parallelism swaps in expert-parallel experts (`parallel.tp`), which add no shared experts
+        # experts that take no shared experts (tensor parallelism's expert-parallel ones): add them apart
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
