@@ -97,9 +97,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if getattr(self.experts, "fuses_shared_experts", False):
-            return self.experts(x, weights, ids, self.shared_experts)
-        # experts that take no shared experts (tensor parallelism's expert-parallel ones): add them apart
+        shared = self.shared_experts
+        # apart: for experts that take no shared experts (tensor parallelism's expert-parallel ones), and for shared
+        # experts a device map put on another device (their own hooks move x there)
+        if getattr(self.experts, "fuses_shared_experts", False) and (
+            shared is None or shared.down_proj.weight.device == x.device
+        ):
+            return self.experts(x, weights, ids, shared)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
