@@ -5,7 +5,8 @@ p = t * SLOTS + j. Slot j < k is routed expert ids[t, j] at weight weights[t, j]
 shared experts at weight 1: rows [s*I, (s+1)*I) of their gate and up weights and those columns of their down
 weight, read in place (`SharedExperts`). A SwiGLU of intermediate S*I is exactly the sum of its S slices' SwiGLUs,
 so the shared experts join the routed combine and need no GEMMs, no silu_mul and no add of their own. The kernels
-number slice s as expert E + s and pick its weight pointers per tile.
+number slice s as expert E + s and pick its weight pointers per tile. S = cdiv(I_s, I); a last slice narrower than
+I (a tensor-parallel shard can leave one) has the missing intermediate columns written as zeros.
 
 Decode (a handful of pairs, `MoeConfig.sort_pairs` False): two launches. `moe_gate_up_kernel` gives every pair a
 block of its own and writes silu(gate) * up; `moe_combine_down_kernel` runs one program per (token, tile of d)
