@@ -52,27 +52,33 @@ SWEEP = [
     MoeConfig(128, 64, 64, 128, 64, num_warps=8, num_stages=3),
     MoeConfig(128, 128, 64, 256, 64, num_warps=8, num_stages=3),
     MoeConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=4),
-    MoeConfig(16, 32, 128, 16, 256, num_warps=4, num_stages=4, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 128, num_warps=4, num_stages=4, sort_pairs=False),
+    # decode: the in-kernel combine at several depths and stage counts, and the per-pair down kernel plus a sum
+    MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=4, sort_pairs=False),
     MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=3, sort_pairs=False),
-    MoeConfig(16, 32, 128, 32, 256, num_warps=4, num_stages=4, sort_pairs=False),
-    MoeConfig(16, 16, 256, 16, 256, num_warps=4, num_stages=3, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 256, num_warps=8, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 32, 128, 16, 512, num_warps=8, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 32, 128, 16, 256, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 32, 128, 16, 256, num_warps=4, num_stages=6, sort_pairs=False),
+    MoeConfig(16, 32, 128, 16, 1024, num_warps=4, num_stages=3, sort_pairs=False),
+    MoeConfig(16, 32, 128, 32, 512, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 16, 512, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4, sort_pairs=False, combine_in_down=False),
 ]
 
 
 def sweeps(cfg: MoeConfig, tokens: int) -> bool:
     """Whether the sweep times `cfg` at `tokens`: unsorted re-reads an expert for every pair that picks it, so only
-    for a few tokens; 64/128-row blocks are mostly padding at a decode's few pairs per expert."""
+    for a few tokens, where sorting is not worth its launch; 64/128-row blocks are mostly padding at a decode's few
+    pairs per expert."""
     if not cfg.sort_pairs:
         return tokens <= 8
-    return cfg.block_m <= 32 or tokens > 64
+    return tokens > 2 and (cfg.block_m <= 32 or tokens > 64)
 
 
 def config_name(cfg: MoeConfig) -> str:
     return (
         f"m{cfg.block_m}_gu{cfg.block_n_gate_up}x{cfg.block_k_gate_up}_dn{cfg.block_n_down}x{cfg.block_k_down}"
         f"_w{cfg.num_warps}s{cfg.num_stages}{'' if cfg.sort_pairs else '_unsorted'}"
+        f"{'' if cfg.combine_in_down or cfg.sort_pairs else '_pairsum'}"
     )
 
 

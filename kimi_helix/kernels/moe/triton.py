@@ -59,7 +59,8 @@ class MoeConfig:
     Unsorted, every pair is a block of its own (one valid row of `block_m`): no sort launch, but an expert chosen
     by several pairs is read once per pair, so it pays only for a handful of pairs. The down tiles then belong to
     `moe_combine_down_kernel`, one program per (token, `block_n_down` outputs), which wants narrow, deep tiles:
-    there are only T * d / block_n_down programs, and each must keep enough weight bytes in flight.
+    there are only T * d / block_n_down programs, and each must keep enough weight bytes in flight; with
+    `combine_in_down` False they go to the per-pair `moe_down_kernel` and a torch sum instead (one launch more).
     """
 
     block_m: int
@@ -70,6 +71,7 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     sort_pairs: bool = True
+    combine_in_down: bool = True
 
 
 def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -260,12 +262,14 @@ def moe_down_kernel(
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_ROUTED: tl.constexpr, NUM_EXPERTS: tl.constexpr,
     NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_EVEN: tl.constexpr,
+    SORTED: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
-    if pid_m >= tl.load(block_cum_ptr + NUM_EXPERTS - 1):
-        return
+    if SORTED:  # noqa: SIM102 (see moe_gate_up_kernel)
+        if pid_m >= tl.load(block_cum_ptr + NUM_EXPERTS - 1):
+            return
     expert, rows, pairs, valid = _block_rows(pid_m, ids_ptr, sorted_pairs_ptr, counts_ptr, block_cum_ptr, TOP_K,
-                                             SLOTS, NUM_ROUTED, NUM_EXPERTS, NUM_BINS, BLOCK_M, True)  # fmt: skip
+                                             SLOTS, NUM_ROUTED, NUM_EXPERTS, NUM_BINS, BLOCK_M, SORTED)  # fmt: skip
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_wn = offs_n % hidden  # see _gate_up_tiles
     offs_k = tl.arange(0, BLOCK_K)
@@ -435,7 +439,7 @@ def fused_experts_triton(
     if cfg.sort_pairs:
         sorted_pairs, counts, block_cum, num_row_blocks = _sort_pairs(flat_ids, M, top_k, slots, E, cfg.block_m)
     else:
-        # one block per pair; the gate/up GEMM reads only flat_ids, so it also fills the unused sort arguments
+        # one block per pair; the GEMMs read only flat_ids, so it also fills the unused sort arguments
         sorted_pairs = counts = block_cum = flat_ids
         num_row_blocks = M
     gate, up, down = shared if shared is not None else (gate_up_proj[0], gate_up_proj[0], down_proj[0])  # unread
@@ -451,7 +455,7 @@ def fused_experts_triton(
     )  # fmt: skip
     down_args = dict(BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down, EVEN_K=I % cfg.block_k_down == 0,
                      SHARED_EVEN=shared_size % I == 0, **common)  # fmt: skip
-    if not cfg.sort_pairs:
+    if not cfg.sort_pairs and cfg.combine_in_down:
         moe_combine_down_kernel[(T, cdiv(d, cfg.block_n_down))](
             inter, down_proj, down, routing, out, flat_ids, d, I, shared_size, inter.stride(0),
             *down_proj.stride(), *down.stride(), out.stride(0), BLOCK_SLOTS=next_pow2(slots), BLOCK_M=16, **down_args,
@@ -460,6 +464,7 @@ def fused_experts_triton(
     pair_out = torch.empty(M, d, dtype=x.dtype, device=x.device)
     moe_down_kernel[(num_row_blocks, cdiv(d, cfg.block_n_down))](
         inter, down_proj, down, routing, pair_out, flat_ids, sorted_pairs, counts, block_cum, d, I, shared_size,
-        inter.stride(0), *down_proj.stride(), *down.stride(), pair_out.stride(0), **sort_args, **down_args,
+        inter.stride(0), *down_proj.stride(), *down.stride(), pair_out.stride(0), SORTED=cfg.sort_pairs, **sort_args,
+        **down_args,
     )  # fmt: skip
     return torch.sum(pair_out.view(T, slots, d), dim=1, out=out)

@@ -21,8 +21,8 @@ def truth(x, gate_up, down, weights, ids, shared=None):
     return fused_experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), ids, shared64)
 
 
-def decode_config(sort_pairs: bool) -> MoeConfig:
-    return dataclasses.replace(default_config(1, E), sort_pairs=sort_pairs)
+def decode_config(sort_pairs: bool, combine: bool = True) -> MoeConfig:
+    return dataclasses.replace(default_config(1, E), sort_pairs=sort_pairs, combine_in_down=combine)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -50,14 +50,14 @@ def test_shared_experts_join_the_routed_sum(T, dtype, shared_inter):
     assert_rel_close("reference", ref, exact, TOL[dtype])
 
 
-@pytest.mark.parametrize("sort_pairs", [True, False])
-def test_shared_experts_ragged_tiles(sort_pairs):
+@pytest.mark.parametrize("sort_pairs, combine", [(True, True), (False, True), (False, False)])
+def test_shared_experts_ragged_tiles(sort_pairs, combine):
     # I = 40 against 16/32-wide tiles: ragged k tails in both GEMMs, over routed and shared slices alike
     d, inter = 48, 40
     gate_up, down = make_experts(6, d, inter, torch.float32, seed=70)
     shared = make_shared(d, 100, torch.float32, seed=71)  # 2.5 slices
     x, weights, ids = make_tokens(3, d, 6, 3, torch.float32, seed=72)
-    config = MoeConfig(16, 16, 32, 16, 32, num_warps=2, num_stages=2, sort_pairs=sort_pairs)
+    config = MoeConfig(16, 16, 32, 16, 32, num_warps=2, num_stages=2, sort_pairs=sort_pairs, combine_in_down=combine)
     y = run_triton(x, gate_up, down, weights, ids, config=config, shared=shared)
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids, shared), TOL[torch.float32])
 
@@ -77,13 +77,13 @@ def test_tiles_smaller_than_the_problem(config):
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
 
 
-@pytest.mark.parametrize("sort_pairs", [True, False])
-def test_experts_without_tokens(sort_pairs):
+@pytest.mark.parametrize("sort_pairs, combine", [(True, True), (False, True), (False, False)])
+def test_experts_without_tokens(sort_pairs, combine):
     # the first and last experts, and four between, receive nothing
     gate_up, down = make_experts(E, D, I, torch.float32, seed=5)
     x, weights, _ = make_tokens(5, D, E, K, torch.float32, seed=6)
     ids = torch.tensor([[2, 5], [5, 2], [2, 5], [5, 2], [2, 5]], device=DEVICE)
-    y = run_triton(x, gate_up, down, weights, ids, config=decode_config(sort_pairs))
+    y = run_triton(x, gate_up, down, weights, ids, config=decode_config(sort_pairs, combine))
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
 
 
