@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..kernels.backends import BackendChoice
-from ..kernels.moe import fused_experts
+from ..kernels.moe import SharedExperts, fused_experts
 from ..kernels.router import moe_router
 from .config import KimiK3Config
 from .layers import SwiGLU
@@ -58,6 +58,9 @@ class RoutedExperts(nn.Module):
     Checkpoints store them per expert (`experts.{e}.w1.weight`, ...); `checkpoint.py` converts.
     """
 
+    # `forward` takes the block's shared experts and runs them in the same kernels (read by `SparseMoE`)
+    fuses_shared_experts = True
+
     def __init__(self, config: KimiK3Config):
         super().__init__()
         e, i, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
@@ -65,9 +68,19 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU)."""
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, backend=self.backends.kernels)
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: SwiGLU | None = None
+    ) -> torch.Tensor:
+        """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU).
+
+        `shared`, the block's shared experts, joins the same kernels at weight 1, its weights read in place.
+        """
+        shared_weights = None
+        if shared is not None:
+            shared_weights = SharedExperts(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        return fused_experts(
+            x, self.gate_up_proj, self.down_proj, weights, ids, shared_weights, backend=self.backends.kernels
+        )
 
 
 class SparseMoE(nn.Module):
@@ -84,6 +97,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        shared = self.shared_experts
+        # apart: for experts that take no shared experts (tensor parallelism's expert-parallel ones), and for shared
+        # experts a device map put on another device (their own hooks move x there)
+        if getattr(self.experts, "fuses_shared_experts", False) and (
+            shared is None or shared.down_proj.weight.device == x.device
+        ):
+            return self.experts(x, weights, ids, shared)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,18 +1,19 @@
-"""Routed mixture-of-experts ops: sigmoid top-k routing and the fused routed experts (dispatched by the switch)."""
+"""Mixture-of-experts ops: sigmoid top-k routing and the fused routed plus shared experts (dispatched by the switch)."""
 
 from __future__ import annotations
 
 from kimi_helix.kernels.backends import op_backend
-from kimi_helix.kernels.moe.naive import fused_experts_ref, moe_router_ref
+from kimi_helix.kernels.moe.naive import SharedExperts, fused_experts_ref, moe_router_ref
 
 
-def fused_experts(x, gate_up_proj, down_proj, weights, ids, *, backend=None):
-    """Routed experts: x [T, d], gate_up_proj [E, 2I, d], down_proj [E, d, I], weights/ids [T, k] -> [T, d]."""
+def fused_experts(x, gate_up_proj, down_proj, weights, ids, shared=None, *, backend=None):
+    """Routed experts: x [T, d], gate_up_proj [E, 2I, d], down_proj [E, d, I], weights/ids [T, k] -> [T, d];
+    plus the shared experts `shared` (`SharedExperts`: gate, up [I_s, d], down [d, I_s]) at weight 1 when given."""
     if op_backend("fused_experts", x, forced=backend) == "triton":
         from kimi_helix.kernels.moe.triton import fused_experts_triton
 
-        return fused_experts_triton(x, gate_up_proj, down_proj, weights, ids)
-    return fused_experts_ref(x, gate_up_proj, down_proj, weights, ids)
+        return fused_experts_triton(x, gate_up_proj, down_proj, weights, ids, shared)
+    return fused_experts_ref(x, gate_up_proj, down_proj, weights, ids, shared)
 
 
-__all__ = ["fused_experts", "fused_experts_ref", "moe_router_ref"]
+__all__ = ["SharedExperts", "fused_experts", "fused_experts_ref", "moe_router_ref"]

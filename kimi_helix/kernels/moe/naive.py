@@ -1,19 +1,23 @@
-"""Pure-PyTorch references for the routed MoE: sigmoid top-k routing and the loop over experts.
+"""Pure-PyTorch references for the MoE: sigmoid top-k routing and the loop over the routed (and shared) experts.
 
 Routing follows `kimi_helix.modeling.moe.TopkRouter` (DeepSeek-V3 / Kimi-Linear): scores are computed in fp32;
 the *selection* adds `e_score_correction_bias` (optionally limited to the best expert groups); the *weights* are
 the unbiased scores of the chosen experts, renormalised, times the scaling factor. Experts are stacked:
 `gate_up_proj` [E, 2I, d] holds each expert's gate (w1) over its up (w3) projection, `down_proj` [E, d, I] is w2.
+The shared experts are one SwiGLU of intermediate I_s, applied to every token at weight 1 (`SharedExperts`).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fused_experts_ref", "moe_router_ref"]
+__all__ = ["SharedExperts", "fused_experts_ref", "moe_router_ref"]
 
 
+# Twin of kernels/router/triton.py:moe_router_triton (same signature and results): a change to one belongs in both.
 def moe_router_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -64,18 +68,34 @@ def moe_router_ref(
     return weights * scaling, ids
 
 
+class SharedExperts(NamedTuple):
+    """The shared experts' SwiGLU weights, read in place (`shared_experts.{gate,up,down}_proj.weight`).
+
+    gate, up: [I_s, d]; down: [d, I_s]. I_s is `moe_intermediate_size * num_shared_experts` (divided by the
+    ranks under tensor parallelism).
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+# Twin of triton.py:fused_experts_triton (same signature and maths): a change to one belongs in both.
 def fused_experts_ref(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
-    """Routed experts as a loop over the experts that received tokens (syncs with the host: a reference only).
+    """Routed experts, plus the shared experts if given, as a loop over the experts that received tokens (syncs with
+    the host: a reference only).
 
-    `out[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))` with `e = ids[t, j]`;
-    each expert's matmuls run in x.dtype and every (token, slot) contribution is rounded to x.dtype before the
-    sum, exactly as `RoutedExperts.forward`.
+    `out[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) + shared(x[t])` with
+    `e = ids[t, j]` and `shared` the SwiGLU `shared.down @ (silu(shared.gate @ x) * (shared.up @ x))`. Each
+    expert's matmuls run in x.dtype; the weighted contributions are summed in fp32 (at least) and rounded to
+    x.dtype once, as the Triton kernels' in-register combine does.
 
     Args:
         x: [T, d].
@@ -83,11 +103,13 @@ def fused_experts_ref(
         down_proj: [E, d, I].
         weights: [T, k] fp32 routing weights.
         ids: [T, k] expert ids.
+        shared: the shared experts' weights (weight 1, every token), or None.
 
     Returns:
         [T, d] in x.dtype.
     """
-    out = torch.zeros_like(x)
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     top_k = ids.shape[1]
     flat_ids = ids.flatten()
     order = flat_ids.argsort(stable=True)  # (token, slot) pairs grouped by expert
@@ -98,5 +120,8 @@ def fused_experts_ref(
         tokens = pairs // top_k
         gate, up = F.linear(x[tokens], gate_up_proj[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down_proj[expert])
-        out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(x.dtype))
-    return out
+        out.index_add_(0, tokens, y.to(acc_dtype) * weights.flatten()[pairs, None].to(acc_dtype))
+    if shared is not None:
+        gate, up, down = shared
+        out += F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down).to(acc_dtype)
+    return out.to(x.dtype)

@@ -1,9 +1,13 @@
-"""Triton MoE routing: the router logits by one fp32 GEMM, then one kernel for everything after it.
+"""Triton MoE routing: the fp32 router logits, then one kernel for everything after them.
 
 `moe_router_ref` spends about a dozen small kernels a call after its GEMM (sigmoid, bias add, group scores and
 mask, top-k, gather, sum, divide, scale). Here one program per token does them on its [E] logits in registers:
 the activation, the biased choice, group-limited masking, k rounds of argmax (highest value first, lowest id on
 ties), the unbiased weights, renormalisation and scaling.
+
+The logits: for a few tokens (decode, verify) `router_logits_kernel`, one program per expert that reads its weight
+row once and x in its own dtype (no cast launch; cuBLAS's fp32 GEMV spreads 256 outputs over few blocks); for
+more tokens an fp32 GEMM.
 """
 
 from __future__ import annotations
@@ -22,6 +26,36 @@ __all__ = ["CAPS", "moe_router_triton"]
 
 # What the kernel serves, read by the backend switch.
 CAPS = OpCaps(triton_devices(), FLOATS)
+# up to this many tokens (and a hidden size whose power-of-two cover fits one program) the logits kernel runs
+LOGITS_KERNEL_MAX_TOKENS, LOGITS_KERNEL_MAX_HIDDEN = 8, 8192
+
+
+@triton.jit
+def router_logits_kernel(x_ptr, w_ptr, logits_ptr, T, d, stride_xt, stride_xd, stride_we, stride_wd, stride_lt,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """logits[t, e] = x[t] . weight[e] in fp32 for t < T <= BLOCK_T: program e holds weight row e in registers."""
+    e = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    in_d = offs < d
+    w = tl.load(w_ptr + e * stride_we + offs * stride_wd, mask=in_d, other=0.0).to(tl.float32)
+    for i in tl.static_range(BLOCK_T):  # unrolled, so no token's load waits for another's sum
+        # rows past T redo row T - 1 and store the same value again: no masks, no branches
+        t = tl.minimum(tl.full([], i, tl.int64), T - 1)
+        x = tl.load(x_ptr + t * stride_xt + offs * stride_xd, mask=in_d, other=0.0).to(tl.float32)
+        tl.store(logits_ptr + t * stride_lt + e, tl.sum(x * w, axis=0))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, d] (any float dtype) @ weight [E, d]^T in fp32 -> [T, E] fp32."""
+    T, d = x.shape
+    if T > LOGITS_KERNEL_MAX_TOKENS or next_pow2(d) > LOGITS_KERNEL_MAX_HIDDEN:
+        return F.linear(x.float(), weight.float())
+    logits = torch.empty(T, weight.shape[0], dtype=torch.float32, device=x.device)
+    router_logits_kernel[(weight.shape[0],)](
+        x, weight, logits, T, d, *x.stride(), *weight.stride(), logits.stride(0),
+        BLOCK_T=next_pow2(T), BLOCK_D=next_pow2(d), num_warps=4,
+    )  # fmt: skip
+    return logits
 
 
 @triton.jit
@@ -84,6 +118,7 @@ def moe_topk_kernel(
     tl.store(ids_out + t * TOP_K + o_k, ids, mask=o_k < TOP_K)
 
 
+# Twin of kernels/moe/naive.py:moe_router_ref (same signature and results): a change to one belongs in both.
 def moe_router_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -99,7 +134,7 @@ def moe_router_triton(
     (weights [T, top_k] fp32, ids [T, top_k] int64), no host sync.
 
     Args:
-        x: [T, d] any float dtype; the logits are `x.float() @ weight.float().T`.
+        x: [T, d] any float dtype; the logits are `x.float() @ weight.float().T` (fp32, `router_logits`).
         weight: [E, d] router weight. bias: [E] `e_score_correction_bias` or None.
         top_k: experts per token (1 <= top_k <= E).
         num_groups, topk_group: group-limited routing (num_groups divides E, >= 2 experts a group, topk_group <=
@@ -121,10 +156,10 @@ def moe_router_triton(
         raise ValueError(f"bias must have shape [E]=[{E}], got {list(bias.shape)}")
     check_triton_device("x", x)
     T = x.shape[0]
-    logits = F.linear(x.float(), weight.float())
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T > 0:
+        logits = router_logits(x, weight)
         moe_topk_kernel[(T,)](
             logits,
             bias.float().contiguous() if bias is not None else logits,

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from kimi_helix.kernels.moe import SharedExperts
 from kimi_helix.kernels.moe.triton import fused_experts_triton
 
 from ..conftest import DEVICE
@@ -36,6 +37,14 @@ def make_experts(n_experts, d, inter, dtype, seed=0, device=DEVICE):
     return gate_up.to(device, dtype), down.to(device, dtype)
 
 
+def make_shared(d, shared_inter, dtype, seed=2, device=DEVICE) -> SharedExperts:
+    """Random shared-expert SwiGLU weights: gate, up [I_s, d], down [d, I_s]."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(2, shared_inter, d, generator=g) / math.sqrt(d)).to(device, dtype)
+    down = (torch.randn(d, shared_inter, generator=g) / math.sqrt(shared_inter)).to(device, dtype)
+    return SharedExperts(gate, up, down)
+
+
 def make_tokens(T, d, n_experts, top_k, dtype, seed=1, device=DEVICE):
     """x [T, d], positive weights [T, k] fp32 and k distinct random experts per token."""
     g = torch.Generator().manual_seed(seed)
@@ -45,10 +54,10 @@ def make_tokens(T, d, n_experts, top_k, dtype, seed=1, device=DEVICE):
     return x.to(device, dtype), weights.to(device), ids.to(device)
 
 
-def run_triton(x, gate_up, down, weights, ids, config=None):
+def run_triton(x, gate_up, down, weights, ids, config=None, shared=None):
     """The kernel on a NaN-filled output, with every internal buffer poisoned too."""
     out = torch.full_like(x, float("nan"))
     with poisoned_empty():
-        y = fused_experts_triton(x, gate_up, down, weights, ids, out=out, config=config)
+        y = fused_experts_triton(x, gate_up, down, weights, ids, shared, out=out, config=config)
     assert y is out and y.dtype == x.dtype
     return y

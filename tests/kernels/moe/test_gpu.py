@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from kimi_helix.kernels.moe import fused_experts_ref, moe_router_ref
+from kimi_helix.kernels.moe import SharedExperts, fused_experts_ref, moe_router_ref
 from kimi_helix.kernels.moe.triton import default_config, fused_experts_triton
 
 from ..conftest import TOL, assert_rel_close
-from .conftest import make_experts, make_tokens, run_triton
+from .conftest import make_experts, make_shared, make_tokens, run_triton
 
 # ---------------------------------------------------------------- GPU: bf16 at Kimi-Linear shapes
 KIMI = dict(n_experts=256, top_k=8, d=2304, inter=1024)
@@ -23,6 +23,15 @@ def kimi_experts():
         pytest.skip("needs CUDA")
     gate_up, down = make_experts(KIMI["n_experts"], KIMI["d"], KIMI["inter"], torch.bfloat16, seed=11)
     return gate_up, down, gate_up.double(), down.double()
+
+
+@pytest.fixture(scope="module")
+def kimi_shared():
+    """One shared expert of intermediate I (Kimi-Linear-48B), bf16, and its fp64 copy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    shared = make_shared(KIMI["d"], KIMI["inter"], torch.bfloat16, seed=12)
+    return shared, SharedExperts(*(w.double() for w in shared))
 
 
 def kimi_routing(T, seed):
@@ -71,3 +80,35 @@ def test_gpu_cuda_graph_replay(kimi_experts, T):
         static.copy_(new)
     graph.replay()
     torch.testing.assert_close(y, fused_experts_triton(x2, gate_up, down, weights2, ids2), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 5, 64, 512])
+def test_gpu_bf16_shared_experts_in_the_kernels(kimi_experts, kimi_shared, T):
+    # T <= 2: unsorted with the combine in the down kernel; 5 (a verify group), 64, 512: sorted
+    gate_up, down, gate_up64, down64 = kimi_experts
+    shared, shared64 = kimi_shared
+    x, weights, ids = kimi_routing(T, seed=40 + T)
+    exact = fused_experts_ref(x.double(), gate_up64, down64, weights.double(), ids, shared64)
+    y = run_triton(x, gate_up, down, weights, ids, shared=shared)
+    assert_rel_close("triton", y, exact, TOL[torch.bfloat16])
+    # deterministic: no atomics, a second call is bitwise the same
+    torch.testing.assert_close(run_triton(x, gate_up, down, weights, ids, shared=shared), y, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_cuda_graph_replay_with_shared_experts(kimi_experts, kimi_shared, T):
+    gate_up, down, _, _ = kimi_experts
+    shared, _ = kimi_shared
+    x, weights, ids = kimi_routing(T, seed=51)
+    fused_experts_triton(x, gate_up, down, weights, ids, shared)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fused_experts_triton(x, gate_up, down, weights, ids, shared)
+    x2, weights2, ids2 = kimi_routing(T, seed=52)
+    for static, new in ((x, x2), (weights, weights2), (ids, ids2)):
+        static.copy_(new)
+    graph.replay()
+    expected = fused_experts_triton(x2, gate_up, down, weights2, ids2, shared)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)

@@ -8,20 +8,21 @@ import pytest
 import torch
 
 import kimi_helix.kernels.moe.triton as moe_triton
-from kimi_helix.kernels.moe import fused_experts_ref
+from kimi_helix.kernels.moe import SharedExperts, fused_experts_ref
 from kimi_helix.kernels.moe.triton import MoeConfig, default_config, fused_experts_triton
 
 from ..conftest import DEVICE, TOL, assert_rel_close
-from .conftest import D, E, I, K, make_experts, make_tokens, run_triton
+from .conftest import D, E, I, K, make_experts, make_shared, make_tokens, run_triton
 
 
-def truth(x, gate_up, down, weights, ids):
+def truth(x, gate_up, down, weights, ids, shared=None):
     """The reference in fp64 on the same (rounded) inputs."""
-    return fused_experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), ids)
+    shared64 = SharedExperts(*(w.double() for w in shared)) if shared is not None else None
+    return fused_experts_ref(x.double(), gate_up.double(), down.double(), weights.double(), ids, shared64)
 
 
-def decode_config(sort_pairs: bool) -> MoeConfig:
-    return dataclasses.replace(default_config(1, E), sort_pairs=sort_pairs)
+def decode_config(sort_pairs: bool, combine: bool = True) -> MoeConfig:
+    return dataclasses.replace(default_config(1, E), sort_pairs=sort_pairs, combine_in_down=combine)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -32,6 +33,33 @@ def test_triton_matches_reference(T, dtype):
     exact = truth(x, gate_up, down, weights, ids)
     assert_rel_close("triton", run_triton(x, gate_up, down, weights, ids), exact, TOL[dtype])
     assert_rel_close("reference", fused_experts_ref(x, gate_up, down, weights, ids), exact, TOL[dtype])
+
+
+# shared intermediate: one slice of I, two, and a ragged 1.5 slices (a tensor-parallel shard need not fill one)
+@pytest.mark.parametrize("shared_inter", [I, 2 * I, 3 * I // 2], ids=["one_slice", "two_slices", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_shared_experts_join_the_routed_sum(T, dtype, shared_inter):
+    # T=1, 2: unsorted (the combine in the down kernel); T=9: sorted, the slices sorted as experts E, E+1
+    gate_up, down = make_experts(E, D, I, dtype, seed=T)
+    shared = make_shared(D, shared_inter, dtype, seed=50 + T)
+    x, weights, ids = make_tokens(T, D, E, K, dtype, seed=60 + T)
+    exact = truth(x, gate_up, down, weights, ids, shared)
+    assert_rel_close("triton", run_triton(x, gate_up, down, weights, ids, shared=shared), exact, TOL[dtype])
+    ref = fused_experts_ref(x, gate_up, down, weights, ids, shared)
+    assert_rel_close("reference", ref, exact, TOL[dtype])
+
+
+@pytest.mark.parametrize("sort_pairs, combine", [(True, True), (False, True), (False, False)])
+def test_shared_experts_ragged_tiles(sort_pairs, combine):
+    # I = 40 against 16/32-wide tiles: ragged k tails in both GEMMs, over routed and shared slices alike
+    d, inter = 48, 40
+    gate_up, down = make_experts(6, d, inter, torch.float32, seed=70)
+    shared = make_shared(d, 100, torch.float32, seed=71)  # 2.5 slices
+    x, weights, ids = make_tokens(3, d, 6, 3, torch.float32, seed=72)
+    config = MoeConfig(16, 16, 32, 16, 32, num_warps=2, num_stages=2, sort_pairs=sort_pairs, combine_in_down=combine)
+    y = run_triton(x, gate_up, down, weights, ids, config=config, shared=shared)
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids, shared), TOL[torch.float32])
 
 
 @pytest.mark.parametrize(
@@ -49,13 +77,13 @@ def test_tiles_smaller_than_the_problem(config):
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
 
 
-@pytest.mark.parametrize("sort_pairs", [True, False])
-def test_experts_without_tokens(sort_pairs):
+@pytest.mark.parametrize("sort_pairs, combine", [(True, True), (False, True), (False, False)])
+def test_experts_without_tokens(sort_pairs, combine):
     # the first and last experts, and four between, receive nothing
     gate_up, down = make_experts(E, D, I, torch.float32, seed=5)
     x, weights, _ = make_tokens(5, D, E, K, torch.float32, seed=6)
     ids = torch.tensor([[2, 5], [5, 2], [2, 5], [5, 2], [2, 5]], device=DEVICE)
-    y = run_triton(x, gate_up, down, weights, ids, config=decode_config(sort_pairs))
+    y = run_triton(x, gate_up, down, weights, ids, config=decode_config(sort_pairs, combine))
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids), TOL[torch.float32])
 
 
@@ -110,5 +138,10 @@ def test_bad_inputs_raise():
         fused_experts_triton(x, gate_up, down, weights, ids.float())
     with pytest.raises(ValueError, match="share"):
         fused_experts_triton(x.half(), gate_up, down, weights, ids)
+    shared = make_shared(D, I, torch.float32)
+    with pytest.raises(ValueError, match="shared must"):
+        fused_experts_triton(x, gate_up, down, weights, ids, SharedExperts(shared.gate, shared.up, shared.gate))
+    with pytest.raises(ValueError, match="share"):
+        fused_experts_triton(x, gate_up, down, weights, ids, SharedExperts(*(w.half() for w in shared)))
     with pytest.raises(ValueError, match="out must"):
         fused_experts_triton(x, gate_up, down, weights, ids, out=torch.empty_like(x).half())
