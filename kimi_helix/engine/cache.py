@@ -17,7 +17,7 @@ import torch
 from ..kernels.launch import cdiv
 from ..modeling.batch import ForwardBatch, Phase
 from ..modeling.config import KimiK3Config
-from ..modeling.paged_mla import FP8, PagedLatents, token_slots
+from ..modeling.paged_mla import FP8, PagedLatents
 
 
 @dataclass
@@ -29,6 +29,30 @@ class VerifyRecord:
     """
 
     context_len: int
+    conv_before: torch.Tensor
+    inputs: torch.Tensor
+    states: torch.Tensor
+
+
+@dataclass
+class VerifyScratch:
+    """One KDA layer's static buffers for the verify steps of up to `states.shape[0]` tokens and
+    `conv_before.shape[0]` sequences: the kernels (or `CacheView.record_verify`) write a verify step's
+    per-token states and conv inputs here, so a CUDA graph replays into the same rows and the records built
+    after the step (`CacheView.commit`) are views of them. states: [T, H, K, V] fp32. inputs: [T, 3P].
+    conv_before: [N, W-1, 3P]."""
+
+    states: torch.Tensor
+    inputs: torch.Tensor
+    conv_before: torch.Tensor
+
+
+@dataclass
+class _VerifyRun:
+    """What one KDA layer recorded for one phase run of a pass: the run's sequences in the pass and, in the run's
+    packed order, its conv states before, conv inputs and per-token states (scratch rows or the kernel's own)."""
+
+    seqs: slice
     conv_before: torch.Tensor
     inputs: torch.Tensor
     states: torch.Tensor
@@ -112,6 +136,32 @@ class PagedCache:
                 self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
         # The last step's verify groups, per KDA layer and sequence (sized for that step's verify tokens only).
         self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
+        self.verify_scratch: dict[int, VerifyScratch] = {}  # per KDA layer, once `reserve_verify_scratch` ran
+
+    def reserve_verify_scratch(self, max_tokens: int, max_seqs: int) -> None:
+        """Allocate each KDA layer's `VerifyScratch` for verify steps of up to `max_tokens` tokens of `max_seqs`
+        sequences (once: CUDA graphs keep the addresses; a larger request than the first raises)."""
+        if self.verify_scratch:
+            have = next(iter(self.verify_scratch.values()))
+            if max_tokens > have.states.shape[0] or max_seqs > have.conv_before.shape[0]:
+                raise ValueError(
+                    f"the verify scratch holds {have.states.shape[0]} tokens of {have.conv_before.shape[0]} "
+                    f"sequences, asked for {max_tokens} of {max_seqs}"
+                )
+            return
+        for i, conv in self.conv.items():
+            state = self.recurrent[i]
+            self.verify_scratch[i] = VerifyScratch(
+                states=torch.zeros(max_tokens, *state.shape[1:], dtype=state.dtype, device=state.device),
+                inputs=torch.zeros(max_tokens, conv.shape[2], dtype=conv.dtype, device=conv.device),
+                conv_before=torch.zeros(max_seqs, *conv.shape[1:], dtype=conv.dtype, device=conv.device),
+            )
+
+    def verify_scratch_bytes_per_token(self) -> int:
+        """Bytes of verify scratch one token takes over all KDA layers (its state and conv input)."""
+        return sum(s[0].numel() * s.element_size() for s in self.recurrent.values()) + sum(
+            c.shape[2] * c.element_size() for c in self.conv.values()
+        )
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[N, width] int32 host page ids of the sequences (rows padded with page 0, never read); width defaults to
@@ -124,10 +174,13 @@ class PagedCache:
         return table
 
     def view(self, seq_ids: list[int], backend: str | None = None) -> CacheView:
-        """The cache for one pass over `seq_ids`, addressing built on the fly (the runner builds its own)."""
+        """The cache for one pass over `seq_ids`, addressing built on the fly (the runner builds its own): the block
+        table and state slots go over in one copy."""
         device = next(iter({**self.pages, **self.conv}.values())).device
-        slots = torch.tensor([self.ledger.seqs[s].slot for s in seq_ids], dtype=torch.long)
-        return CacheView(self, seq_ids, self.block_table(seq_ids).to(device), slots.to(device), backend=backend)
+        table = self.block_table(seq_ids).long()
+        slots = torch.tensor([[self.ledger.seqs[s].slot] for s in seq_ids], dtype=torch.long)
+        packed = torch.cat([table, slots], dim=1).to(device, non_blocking=True)
+        return CacheView(self, seq_ids, packed[:, :-1].int(), packed[:, -1].contiguous(), backend=backend)
 
     def rollback(self, seq_id: int, num_keep: int) -> None:
         """Keep the first `num_keep` cached tokens of `seq_id` (after a verify step accepted fewer than it wrote).
@@ -191,14 +244,22 @@ class CacheView:
         self.slot_mapping = slot_mapping
         self.backend = backend
         self._batch: ForwardBatch | None = None
-        self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
+        self._verify_runs: dict[int, list[_VerifyRun]] = {}  # per KDA layer, this pass's runs with verify groups
+        self._scratch_used: dict[int, tuple[int, int]] = {}  # per KDA layer: (tokens, sequences) of scratch used
 
     def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do).
+        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do). The
+        # lengths and token slots come from the ledger on the host and go over in one copy (nothing waits for it).
         if not self.given and self._batch is not batch:
-            device = self.block_table.device
-            self.cache_seqlens = torch.tensor(batch.total_lens(), dtype=torch.int32, device=device)
-            self.slot_mapping = token_slots(self.block_table, batch, self.cache.ledger.page_size)
+            ps, seqs = self.cache.ledger.page_size, self.cache.ledger.seqs
+            slots = [
+                seqs[s].pages[p // ps] * ps + p % ps
+                for s, c, n in zip(self.seq_ids, batch.context_lens, batch.seq_lens)
+                for p in range(c, c + n)
+            ]
+            packed = torch.tensor(batch.total_lens() + slots, dtype=torch.int64)
+            packed = packed.to(self.block_table.device, non_blocking=True)
+            self.cache_seqlens, self.slot_mapping = packed[: batch.num_seqs].int(), packed[batch.num_seqs :]
             self._batch = batch
         return self.cache_seqlens, self.slot_mapping
 
@@ -216,24 +277,60 @@ class CacheView:
         )
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
-        """The layer's state pools and the batch's slots in them: the kernels update the pools in place."""
+        """The layer's state pools and the batch's slots in them: the kernels update the pools in place. Starts
+        the layer's pass: its verify scratch fills from row 0 again."""
+        self._verify_runs[layer_idx] = []
+        self._scratch_used[layer_idx] = (0, 0)
         return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self.state_indices
+
+    def verify_scratch(self, layer_idx: int, num_tokens: int) -> torch.Tensor | None:
+        """[num_tokens, H, K, V] fp32: the rows of the layer's static scratch where the next run's per-token states
+        go (`fused_recurrent_kda(..., intermediate_states=...)`), or None when the cache has no scratch or it is
+        full (the kernel allocates its own then)."""
+        scratch = self.cache.verify_scratch.get(layer_idx)
+        used = self._scratch_used.get(layer_idx, (0, 0))[0]
+        if scratch is None or used + num_tokens > scratch.states.shape[0]:
+            return None
+        return scratch.states[used : used + num_tokens]
 
     def record_verify(self, layer_idx: int, run, conv_before, inputs, states) -> None:
         """Called by a KDA layer for a run holding verify groups: conv_before [N, W-1, 3P] of the run's sequences,
-        inputs [t, 3P] and states [t, H, K, V] in the run's packed token order."""
-        records = self.verify_records.setdefault(layer_idx, {})
-        start = 0
-        for i, (n, ctx, phase) in enumerate(zip(run.batch.seq_lens, run.batch.context_lens, run.batch.phases)):
-            if phase is Phase.VERIFY:
-                seq_id = self.seq_ids[run.seqs.start + i]
-                records[seq_id] = VerifyRecord(
-                    ctx, conv_before[i], inputs[start : start + n], states[start : start + n]
-                )
-            start += n
+        inputs [t, 3P] and states [t, H, K, V] in the run's packed token order. They are copied into the layer's
+        static scratch when it has room (device copies, captured by a graph; `states` already written there by
+        the kernel is not copied), so the records `commit` builds hold after a graph replay too."""
+        scratch = self.cache.verify_scratch.get(layer_idx)
+        t, n = states.shape[0], conv_before.shape[0]
+        used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
+        if scratch is not None and used_t + t <= scratch.states.shape[0] and used_n + n <= scratch.conv_before.shape[0]:
+            rows, seqs = slice(used_t, used_t + t), slice(used_n, used_n + n)
+            for src, dst in ((states, scratch.states[rows]), (inputs, scratch.inputs[rows])):
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+            scratch.conv_before[seqs].copy_(conv_before)
+            conv_before, inputs, states = scratch.conv_before[seqs], scratch.inputs[rows], scratch.states[rows]
+            self._scratch_used[layer_idx] = (used_t + t, used_n + n)
+        self._verify_runs.setdefault(layer_idx, []).append(_VerifyRun(run.seqs, conv_before, inputs, states))
 
-    def commit(self, batch: ForwardBatch) -> None:
-        """Record each sequence's cached length after the pass, and hand the cache this pass's verify records."""
+    def commit(self, batch: ForwardBatch, recorded: CacheView | None = None) -> None:
+        """Record each sequence's cached length after the pass, and hand the cache this pass's verify records: per
+        KDA layer and verify sequence of `batch`, views of what `recorded` (the view the pass ran with: this one,
+        or the one a replayed CUDA graph was captured with) recorded, for `batch`'s sequences and lengths."""
         for seq_id, total in zip(self.seq_ids, batch.total_lens()):
             self.cache.ledger.seqs[seq_id].length = total
-        self.cache.verify_records = self.verify_records
+        records: dict[int, dict[int, VerifyRecord]] = {}
+        for layer, runs in (recorded or self)._verify_runs.items():
+            for run in runs:
+                start = 0
+                for i in range(run.seqs.start, min(run.seqs.stop, batch.num_seqs)):
+                    n = batch.seq_lens[i]
+                    if batch.phases[i] is Phase.VERIFY:
+                        j = i - run.seqs.start
+                        record = VerifyRecord(
+                            batch.context_lens[i],
+                            run.conv_before[j],
+                            run.inputs[start : start + n],
+                            run.states[start : start + n],
+                        )
+                        records.setdefault(layer, {})[self.seq_ids[i]] = record
+                    start += n
+        self.cache.verify_records = records
