@@ -26,21 +26,25 @@ class VerifyRecord:
 
     context_len: cached tokens before the group. conv_before: [W-1, 3P] the conv state before it. inputs:
     [n, 3P] the group's conv inputs. states: [n, H, K, V] fp32, the recurrent state after each of its tokens.
+    scratch_row, scratch_seq: where the tensors lie in the cache's verify scratch (its first token's row and its
+    sequence's conv row; the same in every layer), or None when they are the kernels' own tensors.
     """
 
     context_len: int
     conv_before: torch.Tensor
     inputs: torch.Tensor
     states: torch.Tensor
+    scratch_row: int | None = None
+    scratch_seq: int | None = None
 
 
 @dataclass
 class VerifyScratch:
-    """One KDA layer's static buffers for the verify steps of up to `states.shape[0]` tokens and
-    `conv_before.shape[0]` sequences: the kernels (or `CacheView.record_verify`) write a verify step's
-    per-token states and conv inputs here, so a CUDA graph replays into the same rows and the records built
-    after the step (`CacheView.commit`) are views of them. states: [T, H, K, V] fp32. inputs: [T, 3P].
-    conv_before: [N, W-1, 3P]."""
+    """One KDA layer's static buffers for verify steps of up to `states.shape[0]` tokens and `conv_before.shape[0]`
+    sequences (or every KDA layer's, stacked on a leading layer axis): the kernels (or `CacheView.record_verify`)
+    write a verify step's per-token states and conv inputs here, so a CUDA graph replays into the same rows and
+    the records built after the step (`CacheView.commit`) are views of them. states: [T, H, K, V] fp32. inputs:
+    [T, 3P]. conv_before: [N, W-1, 3P]."""
 
     states: torch.Tensor
     inputs: torch.Tensor
@@ -56,6 +60,7 @@ class _VerifyRun:
     conv_before: torch.Tensor
     inputs: torch.Tensor
     states: torch.Tensor
+    scratch_rows: tuple[int, int] | None = None  # (first token row, first sequence row) in the scratch, if there
 
 
 @dataclass
@@ -111,7 +116,8 @@ class PagedCache:
 
     Per MLA layer: pages [num_pages, page_size, D] with D = kv_lora_rank + rope (fp8 e4m3 pages carry a per-token
     fp32 scale [num_pages, page_size]). Per KDA layer: conv [num_slots, W-1, 3P] in the model dtype and recurrent
-    [num_slots, H, K, V] in fp32.
+    [num_slots, H, K, V] in fp32, views of one tensor over the KDA layers each (so a rollback or reset of a
+    slot is one copy for all layers).
     """
 
     def __init__(self, config: KimiK3Config, ledger: PageLedger, dtype: torch.dtype, device, kv_cache_dtype="auto"):
@@ -124,19 +130,21 @@ class PagedCache:
         h, k, w = config.kda_num_heads, config.kda_head_dim, config.conv_kernel_size
         self.pages: dict[int, torch.Tensor] = {}
         self.scales: dict[int, torch.Tensor] = {}
-        self.conv: dict[int, torch.Tensor] = {}
-        self.recurrent: dict[int, torch.Tensor] = {}
-        for i in range(config.num_hidden_layers):
-            if config.is_mla_layer(i):
-                self.pages[i] = torch.zeros(n, ps, d, dtype=FP8 if self.fp8 else dtype, device=device)
-                if self.fp8:
-                    self.scales[i] = torch.ones(n, ps, dtype=torch.float32, device=device)
-            else:
-                self.conv[i] = torch.zeros(ledger.num_slots, w - 1, 3 * h * k, dtype=dtype, device=device)
-                self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
+        for i in filter(config.is_mla_layer, range(config.num_hidden_layers)):
+            self.pages[i] = torch.zeros(n, ps, d, dtype=FP8 if self.fp8 else dtype, device=device)
+            if self.fp8:
+                self.scales[i] = torch.ones(n, ps, dtype=torch.float32, device=device)
+        kda = [i for i in range(config.num_hidden_layers) if not config.is_mla_layer(i)]
+        slots = ledger.num_slots
+        # [L_kda, slots, ...]: one tensor per kind of state; the per-layer pools are its (contiguous) rows
+        self.conv_pools = torch.zeros(len(kda), slots, w - 1, 3 * h * k, dtype=dtype, device=device)
+        self.recurrent_pools = torch.zeros(len(kda), slots, h, k, k, dtype=torch.float32, device=device)
+        self.conv = {i: self.conv_pools[j] for j, i in enumerate(kda)}
+        self.recurrent = {i: self.recurrent_pools[j] for j, i in enumerate(kda)}
         # The last step's verify groups, per KDA layer and sequence (sized for that step's verify tokens only).
         self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
         self.verify_scratch: dict[int, VerifyScratch] = {}  # per KDA layer, once `reserve_verify_scratch` ran
+        self._scratch_stack: VerifyScratch | None = None  # the same buffers over the stacked layers
 
     def reserve_verify_scratch(self, max_tokens: int, max_seqs: int) -> None:
         """Allocate each KDA layer's `VerifyScratch` for verify steps of up to `max_tokens` tokens of `max_seqs`
@@ -149,13 +157,17 @@ class PagedCache:
                     f"sequences, asked for {max_tokens} of {max_seqs}"
                 )
             return
-        for i, conv in self.conv.items():
-            state = self.recurrent[i]
-            self.verify_scratch[i] = VerifyScratch(
-                states=torch.zeros(max_tokens, *state.shape[1:], dtype=state.dtype, device=state.device),
-                inputs=torch.zeros(max_tokens, conv.shape[2], dtype=conv.dtype, device=conv.device),
-                conv_before=torch.zeros(max_seqs, *conv.shape[1:], dtype=conv.dtype, device=conv.device),
-            )
+        if not self.conv:
+            return
+        layers, conv, state = len(self.conv), self.conv_pools, self.recurrent_pools
+        stack = VerifyScratch(
+            states=torch.zeros(layers, max_tokens, *state.shape[2:], dtype=state.dtype, device=state.device),
+            inputs=torch.zeros(layers, max_tokens, conv.shape[3], dtype=conv.dtype, device=conv.device),
+            conv_before=torch.zeros(layers, max_seqs, *conv.shape[2:], dtype=conv.dtype, device=conv.device),
+        )
+        self._scratch_stack = stack
+        for j, i in enumerate(self.conv):
+            self.verify_scratch[i] = VerifyScratch(stack.states[j], stack.inputs[j], stack.conv_before[j])
 
     def verify_scratch_bytes_per_token(self) -> int:
         """Bytes of verify scratch one token takes over all KDA layers (its state and conv input)."""
@@ -192,22 +204,35 @@ class PagedCache:
         if not 0 <= num_keep <= blocks.length:
             raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
         if num_keep < blocks.length and self.conv:
-            for layer, conv in self.conv.items():
-                record = self.verify_records.get(layer, {}).get(seq_id)
-                kept = None if record is None else num_keep - record.context_len
-                if kept is None or not 1 <= kept <= record.inputs.shape[0]:
+            records = [self.verify_records.get(layer, {}).get(seq_id) for layer in self.conv]
+            for record in records:
+                if record is None or not 1 <= num_keep - record.context_len <= record.inputs.shape[0]:
                     raise ValueError(
                         f"sequence {seq_id}: KDA state can only be cut back inside the last step's verify group "
                         f"(to 1..{'?' if record is None else record.inputs.shape[0]} of its tokens), not to {num_keep}"
                     )
-                window = torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :]
-                conv[blocks.slot].copy_(window)
-                self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
+            kept = num_keep - records[0].context_len
+            where = {(r.scratch_row, r.scratch_seq) for r in records}
+            if len(where) == 1 and None not in (row_seq := where.pop()):
+                self._cut_stacked(blocks.slot, *row_seq, kept)
+            else:
+                for layer, record in zip(self.conv, records):
+                    conv = self.conv[layer]
+                    conv[blocks.slot].copy_(torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :])
+                    self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
         blocks.length = num_keep
 
+    def _cut_stacked(self, slot: int, row: int, seq: int, kept: int) -> None:
+        """Every KDA layer's state of `slot` after the first `kept` tokens of the group at scratch `row` (conv
+        state before it at scratch sequence row `seq`): two copies over the stacked layers."""
+        stack, width = self._scratch_stack, self.conv_pools.shape[2]
+        window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
+        self.conv_pools[:, slot].copy_(window)
+        self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
+
     def reset_state(self, slot: int) -> None:
-        for t in (*self.conv.values(), *self.recurrent.values()):
-            t[slot].zero_()
+        self.conv_pools[:, slot].zero_()
+        self.recurrent_pools[:, slot].zero_()
 
 
 class CacheView:
@@ -309,7 +334,10 @@ class CacheView:
             scratch.conv_before[seqs].copy_(conv_before)
             conv_before, inputs, states = scratch.conv_before[seqs], scratch.inputs[rows], scratch.states[rows]
             self._scratch_used[layer_idx] = (used_t + t, used_n + n)
-        self._verify_runs.setdefault(layer_idx, []).append(_VerifyRun(run.seqs, conv_before, inputs, states))
+            at = (used_t, used_n)
+        else:
+            at = None
+        self._verify_runs.setdefault(layer_idx, []).append(_VerifyRun(run.seqs, conv_before, inputs, states, at))
 
     def commit(self, batch: ForwardBatch, recorded: CacheView | None = None) -> None:
         """Record each sequence's cached length after the pass, and hand the cache this pass's verify records: per
@@ -320,17 +348,18 @@ class CacheView:
         records: dict[int, dict[int, VerifyRecord]] = {}
         for layer, runs in (recorded or self)._verify_runs.items():
             for run in runs:
-                start = 0
-                for i in range(run.seqs.start, min(run.seqs.stop, batch.num_seqs)):
-                    n = batch.seq_lens[i]
-                    if batch.phases[i] is Phase.VERIFY:
-                        j = i - run.seqs.start
-                        record = VerifyRecord(
-                            batch.context_lens[i],
-                            run.conv_before[j],
-                            run.inputs[start : start + n],
-                            run.states[start : start + n],
-                        )
-                        records.setdefault(layer, {})[self.seq_ids[i]] = record
-                    start += n
-        self.cache.verify_records = records
+                records.setdefault(layer, {}).update(self._records(run, batch))
+        self.cache.verify_records = {layer: recs for layer, recs in records.items() if recs}
+
+    def _records(self, run: _VerifyRun, batch: ForwardBatch):
+        """(sequence id, VerifyRecord) of each verify group of `batch` in the recorded `run`."""
+        start = 0
+        for i in range(run.seqs.start, min(run.seqs.stop, batch.num_seqs)):
+            n, j = batch.seq_lens[i], i - run.seqs.start
+            if batch.phases[i] is Phase.VERIFY:
+                at = (
+                    (None, None) if run.scratch_rows is None else (run.scratch_rows[0] + start, run.scratch_rows[1] + j)
+                )
+                views = (run.conv_before[j], run.inputs[start : start + n], run.states[start : start + n])
+                yield self.seq_ids[i], VerifyRecord(batch.context_lens[i], *views, *at)
+            start += n
