@@ -148,7 +148,7 @@ class StepGraphs:
         """Replay the graph for `step` (capturing it on first use); None when the step has no graph shape or its
         forward cannot be captured (see `capture`)."""
         key = self.key_for(step)
-        if key is None or key in self.uncapturable:
+        if key is None or key in self.uncapturable or self._hooked():
             return None
         captured = self.graphs.get(key) or self.capture(key)
         if captured is None:
@@ -163,6 +163,12 @@ class StepGraphs:
             captured.graph.replay()
         inputs.view.commit(inputs.batch, recorded=captured.view)
         return RunnerOutput(captured.logits[: step.total_tokens], rows)
+
+    def _hooked(self) -> bool:
+        """Forward hooks on the model's layers (a drafter's feature capture, say) must see every step, and a replay
+        runs no Python: while any is attached, steps run eagerly."""
+        model = self.runner.model.model
+        return bool(model._forward_hooks) or any(layer._forward_hooks for layer in model.layers)
 
     # ---------------------------------------------------------------- capture
     def capture(self, key: GraphKey) -> _Captured | None:

@@ -269,3 +269,21 @@ def test_speculative_greedy_with_graphs_equals_eager_and_plain_greedy(k):
     graphs = llm.runner.graphs
     assert any(key.phase is Phase.VERIFY for key in graphs.graphs), graphs.uncapturable
     assert outs[0] == plain and outs[1] == plain
+
+
+def test_steps_run_eagerly_while_a_layer_has_a_forward_hook():
+    """A replay runs no Python, so a hook (DSpark's feature capture) would miss the step: such steps run eagerly."""
+    model = _model("cpu")
+    llm = _llm(model, graphs=True)
+    _prefilled(llm, _prompts(3))
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda _m, _i, out: seen.append(out.shape[0]))
+    try:
+        step = llm.scheduler.schedule()
+        assert llm.runner.graphs.key_for(step) is not None and llm.runner.graphs.run(step) is None
+        llm.step()
+        assert seen == [3]  # the eager step's three tokens, not bucket 4's padded shape
+    finally:
+        handle.remove()
+    step = llm.scheduler.schedule()
+    assert llm.runner.graphs.run(step) is not None
