@@ -357,9 +357,8 @@ class CacheView:
         for i in range(run.seqs.start, min(run.seqs.stop, batch.num_seqs)):
             n, j = batch.seq_lens[i], i - run.seqs.start
             if batch.phases[i] is Phase.VERIFY:
-                at = (
-                    (None, None) if run.scratch_rows is None else (run.scratch_rows[0] + start, run.scratch_rows[1] + j)
-                )
+                rows = run.scratch_rows
+                at = (None, None) if rows is None else (rows[0] + start, rows[1] + j)
                 views = (run.conv_before[j], run.inputs[start : start + n], run.states[start : start + n])
                 yield self.seq_ids[i], VerifyRecord(batch.context_lens[i], *views, *at)
             start += n
