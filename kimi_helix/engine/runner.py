@@ -1,9 +1,10 @@
 """`ModelRunner`: one scheduled step in, logits at the requested positions out.
 
-The runner owns preallocated device buffers for every per-step input (token ids, positions, cu_seqlens, the block
-table, cache lengths, token slots, KDA state slots and the logit row index). `prepare` fills them from the
-scheduler's host-side step; `forward` reads only those buffers, so a decode or verify step of a fixed batch shape
-always sees the same tensors and can be captured once and replayed.
+The runner owns one preallocated staging buffer for every per-step input (token ids, positions, cu_seqlens, the
+block table, cache lengths, token slots, KDA state slots and the logit row index; `StepBuffers`). `prepare` fills
+its pinned host copy from the scheduler's host-side step and moves it in one asynchronous copy, so preparing a step
+never waits for the device; `forward` reads only the device buffer, so a decode or verify step of a fixed batch
+shape always sees the same tensors and can be captured once and replayed.
 
 Logit rows per scheduled request (`RunnerOutput.rows`): its last token for a decode or a final prefill chunk, every
 token of a verify group (row i = the distribution after token i of the group), every token of a prefill chunk when
