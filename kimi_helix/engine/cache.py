@@ -40,11 +40,11 @@ class VerifyRecord:
 
 @dataclass
 class VerifyScratch:
-    """One KDA layer's static buffers for verify steps of up to `states.shape[0]` tokens and `conv_before.shape[0]`
-    sequences (or every KDA layer's, stacked on a leading layer axis): the kernels (or `CacheView.record_verify`)
-    write a verify step's per-token states and conv inputs here, so a CUDA graph replays into the same rows and
-    the records built after the step (`CacheView.commit`) are views of them. states: [T, H, K, V] fp32. inputs:
-    [T, 3P]. conv_before: [N, W-1, 3P]."""
+    """One KDA layer's static buffers for verify steps of up to T tokens (so of up to T sequences), or every KDA
+    layer's, stacked on a leading layer axis: the kernels (or `CacheView.record_verify`) write a verify step's
+    per-token states and conv inputs here, so a CUDA graph replays into the same rows and the records built after
+    the step (`CacheView.commit`) are views of them. states: [T, H, K, V] fp32. inputs: [T, 3P]. conv_before:
+    [T, W-1, 3P]."""
 
     states: torch.Tensor
     inputs: torch.Tensor
@@ -146,16 +146,13 @@ class PagedCache:
         self.verify_scratch: dict[int, VerifyScratch] = {}  # per KDA layer, once `reserve_verify_scratch` ran
         self._scratch_stack: VerifyScratch | None = None  # the same buffers over the stacked layers
 
-    def reserve_verify_scratch(self, max_tokens: int, max_seqs: int) -> None:
-        """Allocate each KDA layer's `VerifyScratch` for verify steps of up to `max_tokens` tokens of `max_seqs`
-        sequences (once: CUDA graphs keep the addresses; a larger request than the first raises)."""
+    def reserve_verify_scratch(self, max_tokens: int) -> None:
+        """Allocate each KDA layer's `VerifyScratch` for verify steps of up to `max_tokens` tokens (once: CUDA
+        graphs keep the addresses; asking for more than the first time raises)."""
         if self.verify_scratch:
-            have = next(iter(self.verify_scratch.values()))
-            if max_tokens > have.states.shape[0] or max_seqs > have.conv_before.shape[0]:
-                raise ValueError(
-                    f"the verify scratch holds {have.states.shape[0]} tokens of {have.conv_before.shape[0]} "
-                    f"sequences, asked for {max_tokens} of {max_seqs}"
-                )
+            have = next(iter(self.verify_scratch.values())).states.shape[0]
+            if max_tokens > have:
+                raise ValueError(f"the verify scratch holds {have} tokens, asked for {max_tokens}")
             return
         if not self.conv:
             return
@@ -163,16 +160,16 @@ class PagedCache:
         stack = VerifyScratch(
             states=torch.zeros(layers, max_tokens, *state.shape[2:], dtype=state.dtype, device=state.device),
             inputs=torch.zeros(layers, max_tokens, conv.shape[3], dtype=conv.dtype, device=conv.device),
-            conv_before=torch.zeros(layers, max_seqs, *conv.shape[2:], dtype=conv.dtype, device=conv.device),
+            conv_before=torch.zeros(layers, max_tokens, *conv.shape[2:], dtype=conv.dtype, device=conv.device),
         )
         self._scratch_stack = stack
         for j, i in enumerate(self.conv):
             self.verify_scratch[i] = VerifyScratch(stack.states[j], stack.inputs[j], stack.conv_before[j])
 
     def verify_scratch_bytes_per_token(self) -> int:
-        """Bytes of verify scratch one token takes over all KDA layers (its state and conv input)."""
+        """Bytes of verify scratch one token takes over all KDA layers (its state, its conv input and a conv state)."""
         return sum(s[0].numel() * s.element_size() for s in self.recurrent.values()) + sum(
-            c.shape[2] * c.element_size() for c in self.conv.values()
+            c.shape[1] * c.shape[2] * c.element_size() + c.shape[2] * c.element_size() for c in self.conv.values()
         )
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
@@ -326,7 +323,7 @@ class CacheView:
         scratch = self.cache.verify_scratch.get(layer_idx)
         t, n = states.shape[0], conv_before.shape[0]
         used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
-        if scratch is not None and used_t + t <= scratch.states.shape[0] and used_n + n <= scratch.conv_before.shape[0]:
+        if scratch is not None and used_t + t <= scratch.states.shape[0]:  # n <= t: the sequences fit too
             rows, seqs = slice(used_t, used_t + t), slice(used_n, used_n + n)
             for src, dst in ((states, scratch.states[rows]), (inputs, scratch.inputs[rows])):
                 if src.data_ptr() != dst.data_ptr():

@@ -179,8 +179,7 @@ class StepGraphs:
         the host (a torch reference kernel chosen by the backend switch, say) cannot be replayed, so its shape is
         recorded in `uncapturable` (with the reason) and runs eagerly. Returns None then."""
         if key.phase is Phase.VERIFY:
-            q = self.max_draft_tokens + 1
-            self.runner.cache.reserve_verify_scratch(self.max_verify_seqs * q, self.max_verify_seqs)
+            self.runner.cache.reserve_verify_scratch(self.max_verify_seqs * (self.max_draft_tokens + 1))
         captured = _Captured(graph=torch.cuda.CUDAGraph() if self.use_graphs else None, logits=torch.empty(0))
         if captured.graph is None:
             self.graphs[key] = captured
