@@ -96,6 +96,8 @@ class LLM:
         speculative_config: None, or vLLM's spelling: `{"method": "dspark" | "ngram", "model": DRAFT_DIR,
             "num_speculative_tokens": k, ...}` (see `kimi_helix.speculative.validator`); checked before any
             weights load. `{"method": "custom", "num_speculative_tokens": k}` with `proposer=` runs your own.
+            Under tp * cp > 1 every rank drafts in lockstep and keeps rank 0's drafts and verdicts; cp > 1 admits
+            DSpark linear chains only.
         proposer: a `kimi_helix.speculative.proposers.Proposer` for method "custom" (docs/speculative.md).
         tokenizer: for string prompts and stop strings; default: the one saved in the model's folder (a directory,
             or the `name_or_path` a loaded model came from), loaded by `load_tokenizer`, which runs no code from it.
@@ -135,42 +137,39 @@ class LLM:
             from ..assets import demo_model_dir
 
             model = demo_model_dir()
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        for name, value in (
-            ("page_size", page_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("tensor_parallel_size", tensor_parallel_size),
-            ("context_parallel_size", context_parallel_size),
-            ("max_model_len", max_model_len),
-            ("num_pages", num_pages),
-        ):
-            if value is not None and (not _is_int(value) or value <= 0):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        dtype = _check_dtype(dtype)
         parallel = tensor_parallel_size * context_parallel_size > 1
-        if device_map is not None:
-            if device_map != "auto":
-                raise ValueError(f"device_map must be None or 'auto', got {device_map!r}")
-            if device is not None:
-                raise ValueError(f"pass device_map='auto' or device={device!r}, not both")
-            if not isinstance(model, (str, Path)):
-                raise ValueError(
-                    "device_map='auto' places a checkpoint folder's layers; a loaded model is already placed"
-                )
-            if parallel:
-                raise ValueError(
-                    "device_map='auto' cannot be combined with tensor_parallel_size * context_parallel_size > 1"
-                )
-        if parallel and (speculative_config is not None or proposer is not None):
-            raise ValueError(
-                "speculative_config / proposer cannot be combined with tensor_parallel_size * "
-                "context_parallel_size > 1 yet (drafts and KDA rollback are single-process)"
+        _check_arguments(
+            model,
+            device,
+            device_map,
+            parallel,
+            gpu_memory_utilization,
+            page_size=page_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            context_parallel_size=context_parallel_size,
+            max_model_len=max_model_len,
+            num_pages=num_pages,
+        )
+        dtype = _check_dtype(dtype)
+        spec = None
+        if speculative_config is not None or proposer is not None:
+            from ..speculative.engine import check_speculative_config
+
+            spec = check_speculative_config(
+                speculative_config,
+                model,
+                proposer,
+                dtype,
+                _check_device(device),
+                kv_cache_dtype,
+                backends.attention,
+                tp=tensor_parallel_size,
+                cp=context_parallel_size,
             )
+        folder = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", None)
         self.comm = None
-        path = Path(model) if isinstance(model, (str, Path)) else None
-        folder = path if path is not None else getattr(model, "name_or_path", None)
         if parallel:
             from ..parallel.engine import parallel_model
 
@@ -178,24 +177,7 @@ class LLM:
                 model, tensor_parallel_size, context_parallel_size, dtype=dtype, device=device, timeout_s=dist_timeout_s
             )
             device = device or next(model.parameters()).device
-        device = _check_device(device)
-        spec = None
-        if speculative_config is not None or proposer is not None:
-            from ..speculative.engine import check_speculative_config
-
-            spec = check_speculative_config(
-                speculative_config, model, proposer, dtype, device, kv_cache_dtype, backends.attention
-            )
-        if path is not None and self.comm is None:
-            if device_map is not None:
-                model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
-                device = model.model.embed_tokens.weight.device
-            else:
-                model = KimiK3ForCausalLM.from_pretrained(path, dtype=dtype, device=device)
-            self.model = model
-        else:
-            self.model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-        self.model.eval()
+        self.model, device = _load_model(model, dtype, _check_device(device), device_map)
         self.tokenizer = tokenizer if tokenizer is not None else _folder_tokenizer(folder)
         self.backends = backends
         self.model.model.set_backends(backends)
@@ -210,23 +192,8 @@ class LLM:
             num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
         # CUDA graphs (one process only for now) keep one extra state slot and page for their padding rows.
         use_graphs = device.type == "cuda" and not enforce_eager and self.comm is None
-        if self.comm is None:
-            ledger = PageLedger(num_pages + use_graphs, page_size, max_num_seqs + use_graphs)
-            self.cache = PagedCache(config, ledger, self.model.dtype, device, kv_cache_dtype)
-        else:
-            from ..parallel.helix import helix_cache
-
-            self.cache = helix_cache(
-                config,
-                self.comm,
-                num_pages,
-                page_size,
-                max_num_seqs,
-                self.model.dtype,
-                device,
-                kv_cache_dtype=kv_cache_dtype,
-            )
-            ledger = self.cache.ledger
+        self.cache = self._build_cache(num_pages, page_size, max_num_seqs, kv_cache_dtype, extra=int(use_graphs))
+        ledger = self.cache.ledger
         self.scheduler = Scheduler(ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
@@ -247,6 +214,19 @@ class LLM:
 
             self.speculative = build_speculative_decoder(spec, self, proposer)
         self._lock = threading.Lock()
+
+    def _build_cache(self, num_pages: int, page_size: int, max_num_seqs: int, kv_cache_dtype: str, extra: int):
+        """The paged cache: one process's (`extra` more pages and state slots for CUDA-graph padding rows), or
+        this rank's share under tp * cp > 1 (`parallel.helix.helix_cache`)."""
+        config, dtype = self.model.config, self.model.dtype
+        if self.comm is None:
+            ledger = PageLedger(num_pages + extra, page_size, max_num_seqs + extra)
+            return PagedCache(config, ledger, dtype, self.device, kv_cache_dtype)
+        from ..parallel.helix import helix_cache
+
+        return helix_cache(
+            config, self.comm, num_pages, page_size, max_num_seqs, dtype, self.device, kv_cache_dtype=kv_cache_dtype
+        )
 
     def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
         """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in
@@ -318,8 +298,10 @@ class LLM:
         if not step.requests:
             raise RuntimeError("scheduler made no progress: no running request and none admissible")
         out = self.runner.run(step)
+        verified = {}
         if self.speculative is not None:
             self.speculative.observe(step)
+            verified = self.speculative.verify_groups(step, out)
         for r, n in zip(step.requests, step.num_tokens):
             r.num_computed += n
         # Every row a decode, a verify group or a final prefill chunk sampled from, in one batched draw.
@@ -339,8 +321,8 @@ class LLM:
         for i, (r, phase, tokens, rows) in enumerate(zip(step.requests, step.phases, step.token_ids, out.rows)):
             if phase is Phase.PREFILL and r.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(r, tokens, out.logits[rows])
-            if i in per_request or (phase is Phase.VERIFY and self.speculative is not None):
-                new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows])
+            if i in per_request or i in verified:
+                new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows], verified.get(i))
                 generated += new
                 finished += done
         self.metrics.append(
@@ -368,16 +350,16 @@ class LLM:
             return range(0)
         return range(rows.stop - 1, rows.stop)
 
-    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits) -> tuple[int, int]:
+    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits, verified=None):
         """Append the sampled tokens; for a verify group, the drafts that match the draws and then the first draw
-        that does not (or the bonus draw after the last draft). Returns (tokens appended, whether it finished).
+        that does not (or the bonus draw after the last draft), or what the speculative decoder's `verified`
+        result kept. Returns (tokens appended, whether it finished).
 
         Accepting a draft exactly when the draw equals it keeps every token distributed as plain sampling would.
         The cache keeps the accepted tokens only (`PagedCache.rollback`)."""
         drafts = tokens[1:] if phase is Phase.VERIFY else []
-        if drafts and self.speculative is not None:
-            result = self.speculative.verify(request, drafts, logits[-len(tokens) :])
-            sampled, accepted = result.tokens, result.num_accepted
+        if verified is not None:
+            sampled, accepted = verified.tokens, verified.num_accepted
         else:
             accepted = 0
             while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
@@ -489,6 +471,37 @@ class LLM:
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_arguments(model, device, device_map, parallel: bool, gpu_memory_utilization, **sizes) -> None:
+    """Raise ValueError naming the first bad `LLM` argument: `sizes` must be positive ints (or None)."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    for name, value in sizes.items():
+        if value is not None and (not _is_int(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if device_map is None:
+        return
+    if device_map != "auto":
+        raise ValueError(f"device_map must be None or 'auto', got {device_map!r}")
+    if device is not None:
+        raise ValueError(f"pass device_map='auto' or device={device!r}, not both")
+    if not isinstance(model, (str, Path)):
+        raise ValueError("device_map='auto' places a checkpoint folder's layers; a loaded model is already placed")
+    if parallel:
+        raise ValueError("device_map='auto' cannot be combined with tensor_parallel_size * context_parallel_size > 1")
+
+
+def _load_model(model, dtype, device: torch.device, device_map):
+    """(the model in eval mode, the device its embeddings are on): a checkpoint folder loaded onto `device` (or
+    placed by `device_map`), or a loaded model moved there."""
+    if isinstance(model, (str, Path)):
+        if device_map is not None:
+            model = KimiK3ForCausalLM.from_pretrained(Path(model), dtype=dtype, device_map=device_map)
+            return model.eval(), model.model.embed_tokens.weight.device
+        return KimiK3ForCausalLM.from_pretrained(Path(model), dtype=dtype, device=device).eval(), device
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    return model.eval(), device
 
 
 def _check_dtype(dtype) -> torch.dtype | None:

@@ -6,6 +6,11 @@ every token the step ran, verifies each verify group (greedy exact match, or rej
 draft distributions), and after the engine rolls the cache back it crops the proposer's context the same way.
 It also keeps the acceptance metrics: tau (tokens per verify round, the bonus included) and acceptance by
 position.
+
+Under tensor / Helix parallelism every rank runs the same decoder in lockstep (the drafter's embedding and LM head
+are the target's vocab-parallel modules, so its forward is collective), and every rank continues with rank 0's
+drafts and rank 0's verification results: one broadcast each per step, so unseeded sampling cannot make the ranks
+disagree.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..kernels.backends import dtype_name
+from ..modeling.batch import Phase
 from ..modeling.checkpoint import read_config
 from .dspark.capture import TargetFeatureCapture
 from .dspark.config import DSparkConfig
@@ -64,12 +70,22 @@ class SpeculativeDecoder:
     """Drives a `Proposer` for an engine whose target is `model`, drafting `num_tokens` per request and step.
 
     With a `step_rate` table each step verifies the drafts Algorithm 1 admits from the proposals' confidences
-    (`scheduling.confidence_schedule`); without one, every proposed draft (fixed k)."""
+    (`scheduling.confidence_schedule`, a draft token priced `token_weight` batch tokens: cp under Helix); without
+    one, every proposed draft (fixed k). `comm`: the ranks' `Communicator` under tp * cp > 1, else None."""
 
-    def __init__(self, model, proposer: Proposer, num_tokens: int, step_rate: StepRateTable | None = None):
-        self.proposer = proposer
-        self.num_tokens = num_tokens
-        self.step_rate = step_rate
+    def __init__(
+        self,
+        model,
+        proposer: Proposer,
+        num_tokens: int,
+        step_rate: StepRateTable | None = None,
+        *,
+        comm=None,
+        token_weight: float = 1.0,
+    ):
+        self.proposer, self.num_tokens, self.step_rate = proposer, num_tokens, step_rate
+        self.comm, self.token_weight = comm, token_weight  # the ranks' collectives; a draft token's batch price
+        self.device = model.get_input_embeddings().weight.device
         self.metrics = SpeculativeMetrics()
         self._proposals: dict[int, Proposal] = {}
         self.capture = (
@@ -88,10 +104,12 @@ class SpeculativeDecoder:
         proposals = self.proposer.propose(asks)
         lengths = [len(p.token_ids) for p in proposals]
         if self.step_rate is not None:
-            lengths = confidence_schedule([p.confidence or [] for p in proposals], self.step_rate)
-        for r, proposal, n in zip(ready, proposals, lengths):
+            confidences = [p.confidence or [] for p in proposals]
+            lengths = confidence_schedule(confidences, self.step_rate, token_weight=self.token_weight)
+        drafts = self._agree([list(p.token_ids[:n]) for p, n in zip(proposals, lengths)])
+        for r, proposal, tokens in zip(ready, proposals, drafts):
             self._proposals[r.request_id] = proposal
-            r.draft_token_ids = list(proposal.token_ids[:n])
+            r.draft_token_ids = tokens
 
     def observe(self, step) -> None:
         """Hand the proposer the captured features of every token of `step` (call right after the runner)."""
@@ -103,13 +121,36 @@ class SpeculativeDecoder:
             self.proposer.observe(r.request_id, r.num_computed, features[start : start + n])
             start += n
 
-    def verify(self, request, drafts: list[int], logits: torch.Tensor) -> VerifyResult:
-        """Verify one request's verify group: drafts (the k the scheduler kept) and its k+1 logit rows."""
-        proposal = self._proposals.pop(request.request_id, None)
-        probs = None if proposal is None or proposal.probs is None else proposal.probs[: len(drafts)]
-        result = verify(drafts, probs, logits, request.params, request.generator)
-        self.metrics.add(len(drafts), result.num_accepted)
-        return result
+    def verify_groups(self, step, out) -> dict[int, VerifyResult]:
+        """Verify every verify group of `step` against the runner's output `out`: {index in the step: result}.
+
+        A group's drafts are its tokens after the first (the k the scheduler kept); its k + 1 logit rows are the
+        last of the request's rows."""
+        groups = [i for i, phase in enumerate(step.phases) if phase is Phase.VERIFY]
+        results = []
+        for i in groups:
+            request, drafts = step.requests[i], step.token_ids[i][1:]
+            proposal = self._proposals.pop(request.request_id, None)
+            probs = None if proposal is None or proposal.probs is None else proposal.probs[: len(drafts)]
+            logits = out.logits[out.rows[i]][-len(drafts) - 1 :]
+            results.append(verify(drafts, probs, logits, request.params, request.generator))
+        agreed = self._agree([r.tokens for r in results])
+        results = [VerifyResult(tokens, len(tokens) - 1) for tokens in agreed]
+        for i, result in zip(groups, results):
+            self.metrics.add(len(step.token_ids[i]) - 1, result.num_accepted)
+        return dict(zip(groups, results))
+
+    def _agree(self, token_lists: list[list[int]]) -> list[list[int]]:
+        """Rank 0's `token_lists` on every rank (one broadcast); unchanged in one process. Every list holds at
+        most num_tokens + 1 ids (drafts, or accepted drafts plus one)."""
+        if self.comm is None or not token_lists:
+            return token_lists
+        packed = torch.zeros(len(token_lists), self.num_tokens + 2, dtype=torch.long)
+        for row, tokens in zip(packed, token_lists):
+            row[0] = len(tokens)
+            row[1 : 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        packed = self.comm.broadcast(packed.to(self.device)).tolist()
+        return [row[1 : 1 + row[0]] for row in packed]
 
     def rollback(self, request, num_keep: int) -> None:
         self.proposer.rollback(request.request_id, num_keep)
@@ -126,8 +167,9 @@ def _target_config(model):
     return model.config
 
 
-def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtype, attention_backend):
-    """Validate `spec` for `LLM` before any weights load (reads the target's and the drafter's config.json only).
+def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtype, attention_backend, tp=1, cp=1):
+    """Validate `spec` for `LLM` on a `tp` x `cp` layout before any weights load (reads the target's and the
+    drafter's config.json only). DSpark without a `model` on the demo model uses the drafter shipped beside it.
 
     Returns the `SpeculativeConfig`; raises `UnsupportedConfigError` with every reason."""
     spec = dict(spec or {})
@@ -138,6 +180,13 @@ def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtyp
     if attention_backend is not None:
         spec.setdefault("attention_backend", attention_backend)
     target = _target_config(model)
+    if spec.get("method") == "dspark" and spec.get("model") is None:
+        from .. import assets  # the drafter shipped for the demo model, when the target is the demo model
+
+        folder = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", None)
+        default = assets.default_drafter_dir(folder)
+        if default is not None:
+            spec["model"] = str(default)
     drafter = None
     if spec.get("method") == "dspark" and spec.get("model") is not None:
         folder = Path(spec["model"])
@@ -152,6 +201,8 @@ def check_speculative_config(spec, model, proposer, dtype, device, kv_cache_dtyp
         spec,
         target,
         drafter,
+        tp=tp,
+        cp=cp,
         device=device.type,
         dtype=dtype_name(dtype),
         kv_dtype=kv,
@@ -181,10 +232,13 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
         if spec.step_rate_table is None:
             rate = profile_step_rate(step, sizes, synchronize=sync)
         else:
-            c = model.config
+            c, m = model.config, None if llm.comm is None else llm.comm.mapping
+            layout = "" if m is None else f"-tp{m.tp}cp{m.cp}"  # each rank's step is its share of the layout's
             key = f"{c.model_type}-L{c.num_hidden_layers}-d{c.hidden_size}-{llm.device.type}-{model.dtype}-g{group}"
-            rate = cached_step_rate(spec.step_rate_table, key, step, sizes, synchronize=sync)
-    return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens, rate)
+            save = m is None or m.rank == 0
+            rate = cached_step_rate(spec.step_rate_table, key + layout, step, sizes, save=save, synchronize=sync)
+    cp = 1 if llm.comm is None else llm.comm.mapping.cp
+    return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens, rate, comm=llm.comm, token_weight=cp)
 
 
 def verify_step(llm, group: int):
@@ -192,7 +246,6 @@ def verify_step(llm, group: int):
     (the last one shorter) over fresh zero-context sequences, admitted and released around it."""
     from ..engine.sampling import SamplingParams
     from ..engine.scheduler import Request, ScheduledStep
-    from ..modeling.batch import Phase
 
     def step(tokens: int) -> None:
         sizes = [group] * (tokens // group) + ([tokens % group] if tokens % group else [])

@@ -94,12 +94,16 @@ def profile_step_rate(
     return StepRateTable(list(batch_tokens), rates)
 
 
-def cached_step_rate(path: str | Path, key: str, step: Callable[[int], object], batch_tokens: Sequence[int], **kw):
-    """The table cached at `path` for `key`, or a fresh `profile_step_rate(step, batch_tokens, **kw)` saved there."""
+def cached_step_rate(
+    path: str | Path, key: str, step: Callable[[int], object], batch_tokens: Sequence[int], *, save=True, **kw
+):
+    """The table cached at `path` for `key`, or a fresh `profile_step_rate(step, batch_tokens, **kw)`, saved there
+    if `save` (under tp * cp > 1 only rank 0 writes the file; every rank profiles, the step being collective)."""
     table = StepRateTable.load(path, key)
     if table is None:
         table = profile_step_rate(step, batch_tokens, **kw)
-        table.save(path, key)
+        if save:
+            table.save(path, key)
     return table
 
 

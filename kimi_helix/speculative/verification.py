@@ -57,23 +57,25 @@ def verify_greedy(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> V
     return VerifyResult([*draft_tokens[:n], best[n]], n)
 
 
-def verify_rejection(
+def verify(
     draft_tokens: Sequence[int],
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> VerifyResult:
-    """Rejection-sampling verification.
+    """`verify_greedy` for greedy requests, rejection sampling otherwise.
 
     Args:
         draft_tokens: k draft ids.
         draft_probs: [k, V] the distributions the drafts were drawn from (DSpark: Markov-corrected, tempered);
-            None for a deterministic proposer (q_i is then a point mass at x_i).
+            None for a deterministic proposer (q_i is then a point mass at x_i). Unused for greedy requests.
         target_logits: [k + 1, V] the verify rows.
-        params: the request's sampling parameters (temperature > 0).
+        params: the request's sampling parameters.
         generator: the request's generator, on the logits' device.
     """
+    if params.greedy:
+        return verify_greedy(draft_tokens, target_logits)
     k = _check(draft_tokens, target_logits)
     p = target_probs(target_logits, params)
     device = p.device
@@ -104,16 +106,3 @@ def verify_rejection(
         dist = residual / total if total > 0 else p[n]
     last = int(torch.multinomial(dist, 1, generator=generator))
     return VerifyResult([*draft_tokens[:n], last], n)
-
-
-def verify(
-    draft_tokens: Sequence[int],
-    draft_probs: torch.Tensor | None,
-    target_logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-) -> VerifyResult:
-    """`verify_greedy` for greedy requests, `verify_rejection` otherwise (same arguments)."""
-    if params.greedy:
-        return verify_greedy(draft_tokens, target_logits)
-    return verify_rejection(draft_tokens, draft_probs, target_logits, params, generator)

@@ -8,6 +8,10 @@ import pytest
 import torch
 
 from kimi_helix.engine.sampling import SamplingParams
+from kimi_helix.engine.scheduler import Request
+from kimi_helix.parallel.mapping import Mapping
+from kimi_helix.speculative.engine import SpeculativeDecoder, build_speculative_decoder
+from kimi_helix.speculative.proposers import Proposal, Proposer
 from kimi_helix.speculative.scheduling import (
     StepRateTable,
     admit_top,
@@ -17,6 +21,7 @@ from kimi_helix.speculative.scheduling import (
     plan_budget,
     profile_step_rate,
 )
+from kimi_helix.speculative.validator import SpeculativeConfig
 from kimi_helix.speculative.verification import verify
 
 from .test_verification import chi_square_p_value
@@ -80,6 +85,37 @@ def test_helix_prices_draft_tokens_by_cp_and_not_the_intercept():
     # With cheap enough tokens the intercept is what decides: 4 anchors are priced at B=4, not 4 * cp.
     cheap = StepRateTable([4, 6], [10.0, 9.9])
     assert confidence_schedule([[0.5]] * 4, cheap, token_weight=2) == [1, 0, 0, 0]
+
+
+class _Confident(Proposer):
+    """Proposes drafts with fixed per-request confidences."""
+
+    def __init__(self, confidences):
+        self.confidences = confidences
+
+    def propose(self, requests):
+        return [Proposal(list(range(1, len(c) + 1)), confidence=c) for c in self.confidences]
+
+
+def _decoding(i):
+    r = Request(i, None, [7, 8, 9], SamplingParams(max_tokens=8), None, output_ids=[3])
+    r.num_computed = 3  # the prompt is cached; its first output token is the anchor
+    return r
+
+
+def test_decoder_prices_drafts_by_cp_under_helix(target):
+    """The engine's decoder passes cp as the draft-token price (the four anchors stay 4 batch tokens); the test
+    above shows what that price does to Algorithm 1."""
+    conf = [[0.9, 0.9], [0.8], [0.5], [0.5]]
+    rate = StepRateTable([4, 6, 8, 12], [10.0, 8.0, 7.0, 5.0])
+    for cp, want in ((1, [2, 1, 1, 0]), (2, [0, 0, 0, 0])):
+        requests = [_decoding(i) for i in range(4)]
+        SpeculativeDecoder(target, _Confident(conf), 2, rate, token_weight=cp).propose(requests)
+        assert [len(r.draft_token_ids) for r in requests] == want
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    for comm, weight in ((None, 1), (type("Comm", (), {"mapping": Mapping(tp=2, cp=3)})(), 3)):
+        llm = type("LLM", (), {"model": target, "comm": comm})()
+        assert build_speculative_decoder(spec, llm, None).token_weight == weight
 
 
 def test_plan_budget_and_admit_top():

@@ -13,8 +13,7 @@ from kimi_helix.engine import LLM, SamplingParams
 from kimi_helix.speculative.dspark import DSparkDrafter
 
 from ..modeling.conftest import k3_kwargs, randomize_router_bias, tiny_kwargs
-from .conftest import tiny_drafter_config
-from .test_speculative_llm import OracleProposer
+from .conftest import OracleProposer, tiny_drafter_config
 
 pytestmark = pytest.mark.gpu
 

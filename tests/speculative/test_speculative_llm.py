@@ -14,9 +14,8 @@ from kimi_helix.modeling import KimiK3ForCausalLM
 from kimi_helix.presets import get_preset
 from kimi_helix.speculative import UnsupportedConfigError
 from kimi_helix.speculative.dspark import DSparkDrafter
-from kimi_helix.speculative.proposers import Proposal, Proposer
 
-from .conftest import tiny_drafter_config
+from .conftest import OracleProposer, tiny_drafter_config
 
 GREEDY = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)
 PAGE = 4  # verify groups of up to 6 tokens always straddle 4-token pages
@@ -41,29 +40,6 @@ def plain(model, prompts):
     return [o.token_ids for o in LLM(model, page_size=PAGE).generate(prompts, GREEDY)]
 
 
-class OracleProposer(Proposer):
-    """Proposes the true greedy continuation with one wrong token at a position that cycles through 0..k (k: all
-    right), so every acceptance length 0..k occurs; requests in `plain_ids` get no drafts (plain decodes)."""
-
-    name = "oracle"
-
-    def __init__(self, oracle, plain_ids=(), vocab=256):
-        self.oracle, self.plain_ids, self.vocab, self.rounds = oracle, set(plain_ids), vocab, {}
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            if r.seq_id in self.plain_ids:
-                out.append(Proposal([]))
-                continue
-            done = len(r.token_ids) - len(self.oracle[r.seq_id]["prompt"])
-            drafts = self.oracle[r.seq_id]["out"][done : done + r.num_tokens]
-            bad = self.rounds.get(r.seq_id, 0) % (r.num_tokens + 1)
-            self.rounds[r.seq_id] = self.rounds.get(r.seq_id, 0) + 1
-            out.append(Proposal([(t + 1) % self.vocab if j == bad else t for j, t in enumerate(drafts)]))
-        return out
-
-
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_forced_partial_acceptance_equals_plain_greedy(model, prompts, plain, k):
     oracle = {i: {"prompt": p, "out": o} for i, (p, o) in enumerate(zip(prompts, plain))}
@@ -79,6 +55,47 @@ def test_forced_partial_acceptance_equals_plain_greedy(model, prompts, plain, k)
     assert m.rounds > 0 and len(m.acceptance_by_position) == k
     # every position was both accepted and rejected at least once
     assert all(0 < a < 1 for a in m.acceptance_by_position)
+
+
+def _ledger_trace(llm, prompts):
+    """Step `prompts` through `llm`; after each step, per running request (its cached length, whether it equals
+    the tokens it kept, its pages), and the free-page count."""
+    requests = [llm._make_request(p, GREEDY) for p in prompts]
+    for r in requests:
+        llm.scheduler.add(r)
+    ledger, trace = llm.cache.ledger, []
+    while llm.scheduler.has_work:
+        llm.step()
+        seqs = {r.request_id: ledger.seqs[r.request_id] for r in llm.scheduler.running}
+        rows = {i: (b.length == requests[i].num_computed, tuple(b.pages)) for i, b in seqs.items()}
+        trace.append((rows, len(ledger.free_pages)))
+    return requests, trace
+
+
+def test_rollback_leaves_the_ledger_of_a_plain_run(model, prompts, plain):
+    """After every forced partial acceptance (verify groups straddling 4-token pages) each sequence's cached MLA
+    length is the kept tokens, it holds the pages it was admitted with (prompt + max_tokens - 1 reserved at
+    admission: the pages past the accepted length stay its own for the next tokens, nothing is taken or leaked),
+    and the free-page count is a plain run's with the same requests running; at the end every page is free."""
+    oracle = {i: {"prompt": p, "out": o} for i, (p, o) in enumerate(zip(prompts, plain))}
+    spec = {"method": "custom", "num_speculative_tokens": 3}
+    runs = {
+        "plain": LLM(model, page_size=PAGE),
+        "spec": LLM(model, page_size=PAGE, speculative_config=spec, proposer=OracleProposer(oracle)),
+    }
+    admitted, free = {}, {}
+    for name, llm in runs.items():
+        requests, trace = _ledger_trace(llm, prompts)
+        assert [r.output_ids for r in requests] == plain
+        ledger = llm.cache.ledger
+        admitted[name] = trace[0][0]
+        for rows, num_free in trace:
+            assert all(same and pages == admitted[name][i][1] for i, (same, pages) in rows.items())
+            free.setdefault(name, {})[frozenset(rows)] = num_free
+        assert len(ledger.free_pages) == ledger.num_pages and len(ledger.free_slots) == ledger.num_slots
+    assert runs["spec"].speculative.metrics.rounds > 0
+    shared = free["plain"].keys() & free["spec"].keys()
+    assert shared and all(free["plain"][s] == free["spec"][s] for s in shared)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -126,6 +143,23 @@ def test_validator_runs_before_any_weights_load(tmp_path, drafter_dir):
     assert cfg["model_type"] == "dspark"
     with pytest.raises(UnsupportedConfigError, match="proposer="):
         LLM(tmp_path, device="cpu", speculative_config={"method": "custom", "num_speculative_tokens": 2})
+
+
+def test_dspark_without_a_model_takes_the_targets_default_drafter(tmp_path, drafter_dir, monkeypatch):
+    """`assets.default_drafter_dir` names the drafter shipped for a target folder (the demo model's); without
+    one, DSpark needs a `model`."""
+    from kimi_helix import assets
+
+    get_preset("tiny").save_pretrained(tmp_path)
+    asked = []
+    monkeypatch.setattr(assets, "default_drafter_dir", lambda folder: asked.append(folder), raising=False)
+    with pytest.raises(UnsupportedConfigError, match="dspark needs a drafter"):
+        LLM(tmp_path, device="cpu", speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    assert asked == [tmp_path]
+    monkeypatch.setattr(assets, "default_drafter_dir", lambda folder: drafter_dir, raising=False)
+    with pytest.raises(UnsupportedConfigError, match="num_speculative_tokens") as err:  # its block size is 5
+        LLM(tmp_path, device="cpu", speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+    assert [r.field for r in err.value.reasons] == ["num_speculative_tokens"]
 
 
 def test_kda_state_cannot_be_cut_outside_the_last_verify_group(model):

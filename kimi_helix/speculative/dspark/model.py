@@ -140,12 +140,21 @@ class DSparkDrafter(PreTrainedModel):
 
     # ---------------------------------------------------------------- the target's embedding and head
     def bind_target(self, target: nn.Module) -> None:
-        """Share the target's input embedding and LM head (frozen); raises if their shapes do not fit."""
+        """Share the target's input embedding and LM head (frozen); raises if their shapes do not fit.
+
+        Under tensor / Helix parallelism these are the target's vocab-parallel modules (`parallel.tp`: rows split
+        over all tp * cp ranks, with their collectives inside), so the drafter's IO runs on that CP-free mapping
+        while its own small layers are replicated on every rank."""
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-        want = (self.config.vocab_size, self.config.hidden_size)
-        for name, w in (("embedding", embed.weight), ("lm_head", head.weight)):
-            if tuple(w.shape) != want:
-                raise ValueError(f"target {name} is {tuple(w.shape)}, the drafter needs [vocab, d] = {list(want)}")
+        vocab, d = self.config.vocab_size, self.config.hidden_size
+        for name, module in (("embedding", embed), ("lm_head", head)):
+            comm = getattr(module, "comm", None)  # set on the vocab-parallel modules only
+            want = (vocab if comm is None else vocab // comm.mapping.world_size, d)
+            if tuple(module.weight.shape) != want:
+                raise ValueError(
+                    f"target {name} is {tuple(module.weight.shape)}, the drafter needs [vocab, d] = [{vocab}, {d}]"
+                    + ("" if comm is None else f" split into {comm.mapping.world_size} vocab shards")
+                )
         embed.weight.requires_grad_(False)
         head.weight.requires_grad_(False)
         self._target_io = (embed, head)
