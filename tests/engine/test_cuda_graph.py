@@ -246,7 +246,7 @@ def test_verify_steps_beyond_the_scratch_run_eagerly():
 def test_speculative_greedy_with_graphs_equals_eager_and_plain_greedy(device, k):
     """Speculative greedy decoding with verify steps replayed from graphs (partial acceptance forced at every
     position, so the KDA rollback reads the scratch a replay wrote) equals the eager run and plain greedy."""
-    from ..speculative.test_speculative_llm import OracleProposer
+    from ..speculative.conftest import OracleProposer
 
     model = _model(device)
     prompts = _prompts(3)
