@@ -113,11 +113,7 @@ class StepGraphs:
         fits = [s for s in self.buckets if s * per_seq <= verify_scratch_bytes]
         self.max_verify_seqs = max(fits, default=0) if max_draft_tokens else 0  # the largest verify-graph bucket
         scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1)
-        self.padding = {  # per (bucket, tokens a sequence): the rows that fill it
-            (s, q): Padding(s, q, scratch.pages[0], scratch.slot)
-            for s in self.buckets
-            for q in range(1, max_draft_tokens + 2)
-        }
+        self.scratch_page, self.scratch_slot = scratch.pages[0], scratch.slot
         runner.cache.reset_state(scratch.slot)
         # every logit row of a uniform step, in packed order (ModelRunner._logit_tokens for decode and verify)
         self.rows = torch.arange(self.max_tokens, device=runner.device)
@@ -153,7 +149,7 @@ class StepGraphs:
         captured = self.graphs.get(key) or self.capture(key)
         if captured is None:
             return None
-        inputs, rows = self.runner.prepare(step, self.padding[key.batch, key.tokens_per_seq])
+        inputs, rows = self.runner.prepare(step, self._padding(key))
         if captured.graph is None:
             full = self._inputs(key)
             with torch.no_grad():
@@ -163,6 +159,10 @@ class StepGraphs:
             captured.graph.replay()
         inputs.view.commit(inputs.batch, recorded=captured.view)
         return RunnerOutput(captured.logits[: step.total_tokens], rows)
+
+    def _padding(self, key: GraphKey) -> Padding:
+        """The rows that fill `key`'s bucket: sequences on the scratch page and state slot."""
+        return Padding(key.batch, key.tokens_per_seq, self.scratch_page, self.scratch_slot)
 
     def _hooked(self) -> bool:
         """Forward hooks on the model's layers (a drafter's feature capture, say) must see every step, and a replay
@@ -185,7 +185,7 @@ class StepGraphs:
             self.graphs[key] = captured
             return captured
         device = self.runner.device
-        self.runner.prepare(ScheduledStep([], [], []), self.padding[key.batch, key.tokens_per_seq])
+        self.runner.prepare(ScheduledStep([], [], []), self._padding(key))
         inputs = self._inputs(key)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
