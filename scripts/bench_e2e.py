@@ -107,15 +107,18 @@ def weight_bytes(model: KimiK3ForCausalLM, batch: int, experts_touched: list[int
     return total
 
 
-def cache_bytes(llm: LLM, batch: int, context: int) -> int:
-    """Bytes of cache and state one decode step moves: MLA latents of the context read (plus the new ones written),
-    KDA recurrent and conv states read and written."""
+def cache_bytes(llm: LLM, batch: int, context: int, new_tokens: int = 1) -> int:
+    """Bytes of cache and state a step of `new_tokens` tokens a sequence moves: MLA latents of the context and the
+    new tokens read (the new ones also written), KDA recurrent and conv states read and written, and for a verify
+    step (new_tokens > 1) the per-token recurrent states its rollback needs, written."""
     total = 0
     for pages in llm.cache.pages.values():
-        total += batch * (context + 2) * pages.shape[2] * pages.element_size()
+        total += batch * (context + 2 * new_tokens) * pages.shape[2] * pages.element_size()
     for pools in (llm.cache.recurrent, llm.cache.conv):
         for pool in pools.values():
             total += 2 * batch * pool[0].numel() * pool.element_size()
+    for pool in llm.cache.recurrent.values():
+        total += batch * (new_tokens - 1) * pool[0].numel() * pool.element_size()
     return total
 
 
@@ -170,9 +173,9 @@ def profile_kernels(fn, device: torch.device, steps: int, top: int = 0) -> tuple
     return len(kernels) / steps, table
 
 
-def experts_touched(llm: LLM) -> list[int]:
-    """Distinct routed experts each MoE layer reads in one decode step: one eager step with hooks on the routers
-    (graph replays run no hooks)."""
+def experts_touched(llm: LLM, step=None) -> list[int]:
+    """Distinct routed experts each MoE layer reads in one step (`step`, default `llm.step`): one eager step with
+    hooks on the routers (graph replays run no hooks)."""
     counts: list[int] = []
     hooks = [
         m.register_forward_hook(lambda _m, _i, out: counts.append(int(out[1].unique().numel())))
@@ -181,7 +184,7 @@ def experts_touched(llm: LLM) -> list[int]:
     ]
     graphs, llm.runner.graphs = llm.runner.graphs, None
     try:
-        llm.step()
+        (step or llm.step)()
     finally:
         llm.runner.graphs = graphs
         for h in hooks:
@@ -265,11 +268,11 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
     return row
 
 
-def bench_verify(model, args, batch: int, context: int, steps: int, k: int, device) -> dict:
+def bench_verify(model, args, batch: int, context: int, steps: int, k: int, bandwidth: float, device) -> dict:
     """Verify steps of 1 + k tokens a sequence through `LLM.step` (verify graphs unless --eager) at a decode
     case's shapes. The drafts are random, so nearly all are rejected: each step samples every row, appends one
     token and rolls the KDA states back to it, as a speculative step whose drafts miss."""
-    total = WARMUP_STEPS + steps + PROFILED_STEPS
+    total = WARMUP_STEPS + steps + PROFILED_STEPS + 1  # + the eager step that counts the experts touched
     max_tokens = total * (k + 1) + 2  # room for every draft accepted
     llm = case_engine(model, args, batch, context + max_tokens + 1, device, tokens_per_seq=k + 1)
     vocab = model.config.vocab_size
@@ -283,6 +286,9 @@ def bench_verify(model, args, batch: int, context: int, steps: int, k: int, devi
 
     ms = time_steps(step, device, steps)
     kernels, _ = profile_kernels(step, device, PROFILED_STEPS)
+    touched = experts_touched(llm, step)
+    floor_bytes = weight_bytes(llm.model, batch * (k + 1), touched) + cache_bytes(llm, batch, context, k + 1)
+    floor_ms = 1e3 * floor_bytes / (bandwidth * 1e9)
     graphs = llm.runner.graphs
     graphed = graphs is not None and any(key.phase is Phase.VERIFY for key in graphs.graphs)
     llm = graphs = None  # the closure keeps the cell: free the engine before the next case
@@ -298,6 +304,10 @@ def bench_verify(model, args, batch: int, context: int, steps: int, k: int, devi
         ms_per_step=round(ms, 4),
         verify_tokens_per_s=round(batch * (k + 1) * 1e3 / ms, 1),
         kernels_per_step=kernels,
+        floor_ms=_sig(floor_ms),
+        floor_gb=round(floor_bytes / 1e9, 3),
+        pct_of_floor=_sig(100 * floor_ms / ms),
+        experts_touched_mean=round(sum(touched) / max(len(touched), 1), 1),
         kv_cache_dtype=args.kv_cache_dtype,
     )
 
@@ -392,9 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({**meta, **row})
                 results.write(rows[-1])
                 if args.verify_k and "ms_per_step" in row:
-                    verify = guarded("verify", shape, device, bench_verify, *case, args.verify_k, device)
-                    if "ms_per_step" in verify:
+                    verify = guarded("verify", shape, device, bench_verify, *case, args.verify_k, bandwidth, device)
+                    if "ms_per_step" in verify:  # the time ratio, and the ratio of the bytes the two must move
                         verify["verify_over_decode"] = round(verify["ms_per_step"] / row["ms_per_step"], 3)
+                        verify["floor_over_decode"] = round(verify["floor_ms"] / row["floor_ms"], 3)
                     rows.append({**meta, **verify})
                     results.write(rows[-1])
         if not args.no_prefill:
@@ -498,8 +509,8 @@ def bench_hf(args, dtype, device, batches, contexts, steps) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["case", "mode", "layers", "batch", "context", "ms_per_step", "tokens_per_s", "kernels_per_step",
-            "floor_ms", "pct_of_floor", "speedup_vs_hf", "verify_over_decode", "prefill_tokens_per_s",
-            "skipped"]  # fmt: skip
+            "floor_ms", "pct_of_floor", "speedup_vs_hf", "verify_over_decode", "floor_over_decode",
+            "prefill_tokens_per_s", "skipped"]  # fmt: skip
     cols = [c for c in cols if any(c in r for r in rows)]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -35,6 +35,7 @@ def test_cpu_smoke_run_writes_every_case(tmp_path, capsys):
     assert [(r["batch"], r["context"], r["draft_tokens"]) for r in verify] == [(1, 16, 4), (2, 16, 4)]
     for v, d in zip(verify, ours):
         assert v["ms_per_step"] > 0 and v["verify_over_decode"] == round(v["ms_per_step"] / d["ms_per_step"], 3)
+        assert v["floor_ms"] > d["floor_ms"] and v["floor_over_decode"] == round(v["floor_ms"] / d["floor_ms"], 3)
     assert len(prefill) == 1 and prefill[0]["prefill_tokens_per_s"] > 0
     table = capsys.readouterr().out
     assert "| case |" in table and "pct_of_floor" in table
