@@ -26,16 +26,15 @@ class VerifyRecord:
 
     context_len: cached tokens before the group. conv_before: [W-1, 3P] the conv state before it. inputs:
     [n, 3P] the group's conv inputs. states: [n, H, K, V] fp32, the recurrent state after each of its tokens.
-    scratch_row, scratch_seq: where the tensors lie in the cache's verify scratch (its first token's row and its
-    sequence's conv row; the same in every layer), or None when they are the kernels' own tensors.
+    scratch_at: where the tensors lie in the cache's verify scratch, the same in every layer (its first token's
+    row, its sequence's conv row), or None when they are the kernels' own tensors.
     """
 
     context_len: int
     conv_before: torch.Tensor
     inputs: torch.Tensor
     states: torch.Tensor
-    scratch_row: int | None = None
-    scratch_seq: int | None = None
+    scratch_at: tuple[int, int] | None = None
 
 
 @dataclass
@@ -209,9 +208,9 @@ class PagedCache:
                         f"(to 1..{'?' if record is None else record.inputs.shape[0]} of its tokens), not to {num_keep}"
                     )
             kept = num_keep - records[0].context_len
-            where = {(r.scratch_row, r.scratch_seq) for r in records}
-            if len(where) == 1 and None not in (row_seq := where.pop()):
-                self._cut_stacked(blocks.slot, *row_seq, kept)
+            where = {r.scratch_at for r in records}
+            if len(where) == 1 and (at := where.pop()) is not None:
+                self._cut_stacked(blocks.slot, *at, kept)
             else:
                 for layer, record in zip(self.conv, records):
                     conv = self.conv[layer]
@@ -355,7 +354,7 @@ class CacheView:
             n, j = batch.seq_lens[i], i - run.seqs.start
             if batch.phases[i] is Phase.VERIFY:
                 rows = run.scratch_rows
-                at = (None, None) if rows is None else (rows[0] + start, rows[1] + j)
+                at = None if rows is None else (rows[0] + start, rows[1] + j)
                 views = (run.conv_before[j], run.inputs[start : start + n], run.states[start : start + n])
-                yield self.seq_ids[i], VerifyRecord(batch.context_lens[i], *views, *at)
+                yield self.seq_ids[i], VerifyRecord(batch.context_lens[i], *views, at)
             start += n

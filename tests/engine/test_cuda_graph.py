@@ -216,7 +216,7 @@ def test_graph_verify_records_and_rollback_equal_eager(device):
     scratch = next(iter(llm.cache.verify_scratch.values()))
     assert scratch.states.shape[0] >= 4 * (1 + k)
     # the graphed step's records are views of the static scratch (the rollback cuts all layers at once from it)
-    rows = {(rec.scratch_row, rec.scratch_seq) for recs in llm.cache.verify_records.values() for rec in recs.values()}
+    rows = {rec.scratch_at for recs in llm.cache.verify_records.values() for rec in recs.values()}
     assert rows == {(0, 0), (1 + k, 1), (2 * (1 + k), 2)}
     assert sorted(records) == sorted(eager_records) and {s for _, s in records} == {0, 1, 2}
     for key, (ctx, *tensors) in records.items():
