@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..modeling.batch import ForwardBatch, Phase
 from .cache import CacheView, PagedCache
@@ -237,9 +238,9 @@ class ModelRunner:
         host.state_indices[:n].copy_(torch.tensor([b.slot for b in blocks], dtype=torch.int64))
         table = host.block_table[:n]
         table.zero_()  # unused entries: page 0, never read (the kernels stop at each sequence's length)
-        for i, (r, b) in enumerate(zip(step.requests, blocks)):
-            row = self._page_row(r.request_id, b)
-            table[i, : row.numel()].copy_(row)
+        if n:
+            rows = pad_sequence([self._page_row(r.request_id, b) for r, b in zip(step.requests, blocks)], True)
+            table[:, : rows.shape[1]].copy_(rows)
         host.input_ids[:t].copy_(torch.tensor([tok for ids in step.token_ids for tok in ids], dtype=torch.int64))
         seq = torch.repeat_interleave(torch.arange(n), lens)
         positions = torch.arange(t) - cu[:-1][seq] + ctx[seq]
