@@ -105,7 +105,7 @@ class StepBuffers:
             offset += -(-count * dtype.itemsize // 8) * 8  # every field 8-byte aligned
 
     def _end(self, t: int, n: int, r: int) -> int:
-        name, offset, count, dtype = list(self._offsets(t, n, r))[-1]
+        _, offset, count, dtype = list(self._offsets(t, n, r))[-1]
         return offset + count * dtype.itemsize
 
     def fields(self, t: int, n: int, r: int, host: bool = False) -> StepFields:
