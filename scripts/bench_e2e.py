@@ -17,8 +17,11 @@ touched (distinct experts per layer, counted by hooks on an eager copy of the st
 latents over the context, read, and the new token's, written) plus the KDA recurrent and conv states (read and
 written); divided by the device-to-device copy bandwidth measured in the same run. transformers' native
 `KimiLinearForCausalLM` (with fla where importable) runs at batch 1 and 8 at the same shapes (its own prefill, then
-timed decode steps); `speedup_vs_hf` is its ms per step over ours. One 32k-token prompt is also prefilled through
-the engine for prefill tokens/s. Rows go to benchmarks/results/e2e.jsonl (or --out); a table ends the run.
+timed decode steps); `speedup_vs_hf` is its ms per step over ours. After each decode case, verify steps of 1 + k
+tokens a sequence (--verify-k, default 4) run at the same shapes and report `verify_over_decode`, their ms per step
+over the decode case's. One 32k-token prompt is also prefilled through the engine for prefill tokens/s. Every row
+has a `phase` ("decode", "verify", "prefill"). Rows go to benchmarks/results/e2e.jsonl (or --out); a table ends
+the run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from bench_common import JsonlWriter, copy_tbps, run_metadata  # noqa: E402
 from kimi_helix import KimiK3ForCausalLM  # noqa: E402
 from kimi_helix.engine import LLM, SamplingParams  # noqa: E402
 from kimi_helix.kernels.launch import cdiv  # noqa: E402
+from kimi_helix.modeling.batch import Phase  # noqa: E402
 from kimi_helix.modeling.moe import RoutedExperts, TopkRouter  # noqa: E402
 from kimi_helix.presets import PRESETS, get_preset  # noqa: E402
 
@@ -103,24 +107,27 @@ def weight_bytes(model: KimiK3ForCausalLM, batch: int, experts_touched: list[int
     return total
 
 
-def cache_bytes(llm: LLM, batch: int, context: int) -> int:
-    """Bytes of cache and state one decode step moves: MLA latents of the context read (plus the new ones written),
-    KDA recurrent and conv states read and written."""
+def cache_bytes(llm: LLM, batch: int, context: int, new_tokens: int = 1) -> int:
+    """Bytes of cache and state a step of `new_tokens` tokens a sequence moves: MLA latents of the context and the
+    new tokens read (the new ones also written), KDA recurrent and conv states read and written, and for a verify
+    step (new_tokens > 1) the per-token recurrent states its rollback needs, written."""
     total = 0
     for pages in llm.cache.pages.values():
-        total += batch * (context + 2) * pages.shape[2] * pages.element_size()
+        total += batch * (context + 2 * new_tokens) * pages.shape[2] * pages.element_size()
     for pools in (llm.cache.recurrent, llm.cache.conv):
         for pool in pools.values():
             total += 2 * batch * pool[0].numel() * pool.element_size()
+    for pool in llm.cache.recurrent.values():
+        total += batch * (new_tokens - 1) * pool[0].numel() * pool.element_size()
     return total
 
 
-def fill_cache(llm: LLM, batch: int, context: int, steps: int, vocab: int, seed: int) -> None:
+def fill_cache(llm: LLM, batch: int, context: int, max_tokens: int, vocab: int, seed: int) -> None:
     """Register `batch` requests as if their `context`-token prompts were prefilled and one token sampled: random
-    latents in every page, random KDA states, lengths set, the requests running. The decode steps that follow are
-    the engine's own."""
+    latents in every page, random KDA states, lengths set, the requests running (each may produce `max_tokens`,
+    the fake first one included). The decode steps that follow are the engine's own."""
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)  # steps + the fake first token
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for pages in llm.cache.pages.values():
         if pages.dtype == torch.float8_e4m3fn:  # no random kernel for fp8: draw in bf16, one layer at a time
             pages.copy_(torch.randn(pages.shape, dtype=torch.bfloat16, device=pages.device))
@@ -166,9 +173,9 @@ def profile_kernels(fn, device: torch.device, steps: int, top: int = 0) -> tuple
     return len(kernels) / steps, table
 
 
-def experts_touched(llm: LLM) -> list[int]:
-    """Distinct routed experts each MoE layer reads in one decode step: one eager step with hooks on the routers
-    (graph replays run no hooks)."""
+def experts_touched(llm: LLM, step=None) -> list[int]:
+    """Distinct routed experts each MoE layer reads in one step (`step`, default `llm.step`): one eager step with
+    hooks on the routers (graph replays run no hooks)."""
     counts: list[int] = []
     hooks = [
         m.register_forward_hook(lambda _m, _i, out: counts.append(int(out[1].unique().numel())))
@@ -177,12 +184,39 @@ def experts_touched(llm: LLM) -> list[int]:
     ]
     graphs, llm.runner.graphs = llm.runner.graphs, None
     try:
-        llm.step()
+        (step or llm.step)()
     finally:
         llm.runner.graphs = graphs
         for h in hooks:
             h.remove()
     return counts
+
+
+def case_engine(model, args, batch: int, max_len: int, device, tokens_per_seq: int = 1) -> LLM:
+    """The engine of one case: `batch` sequences of up to `max_len` tokens, steps of `tokens_per_seq` a sequence."""
+    return LLM(
+        model,
+        device=device,
+        max_num_seqs=batch,
+        max_model_len=max_len,
+        num_pages=batch * cdiv(max_len, args.page_size),
+        page_size=args.page_size,
+        max_num_batched_tokens=max(2048, batch * tokens_per_seq),
+        kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.eager,
+    )
+
+
+def time_steps(step, device: torch.device, steps: int) -> float:
+    """ms per call of `step` over `steps` timed calls after WARMUP_STEPS untimed ones (which capture graphs)."""
+    for _ in range(WARMUP_STEPS):
+        step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3 / steps
 
 
 def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: float, device) -> dict:
@@ -191,27 +225,9 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
     # warm-up, timed, profiled (twice at most: graph replays, then eagerly if the profiler saw no graph kernels)
     # and the eager step that counts the experts touched
     total_steps = WARMUP_STEPS + steps + 2 * PROFILED_STEPS + 1
-    max_len = context + total_steps + 2
-    llm = LLM(
-        model,
-        device=device,
-        max_num_seqs=batch,
-        max_model_len=max_len,
-        num_pages=batch * cdiv(max_len, args.page_size),
-        page_size=args.page_size,
-        max_num_batched_tokens=max(2048, batch),
-        kv_cache_dtype=args.kv_cache_dtype,
-        enforce_eager=args.eager,
-    )
-    fill_cache(llm, batch, context, total_steps, config.vocab_size, seed=batch)
-    for _ in range(WARMUP_STEPS):
-        llm.step()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    sync(device)
-    ms = (time.perf_counter() - start) * 1e3 / steps
+    llm = case_engine(model, args, batch, context + total_steps + 2, device)
+    fill_cache(llm, batch, context, total_steps + 1, config.vocab_size, seed=batch)  # + the fake first token
+    ms = time_steps(llm.step, device, steps)
     (kernels, top), counted = profile_kernels(llm.step, device, PROFILED_STEPS, args.top_kernels), "replayed step"
     if kernels == 0 and llm.runner.graphs is not None:  # a profiler that misses graph kernels: the same step eagerly
         graphs, llm.runner.graphs = llm.runner.graphs, None
@@ -223,6 +239,7 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
     graphs = llm.runner.graphs
     row = dict(
         case="decode",
+        phase="decode",
         mode="eager" if graphs is None else "graph",
         layers=config.num_hidden_layers,
         batch=batch,
@@ -251,6 +268,50 @@ def bench_case(model, args, batch: int, context: int, steps: int, bandwidth: flo
     return row
 
 
+def bench_verify(model, args, batch: int, context: int, steps: int, k: int, bandwidth: float, device) -> dict:
+    """Verify steps of 1 + k tokens a sequence through `LLM.step` (verify graphs unless --eager) at a decode
+    case's shapes. The drafts are random, so nearly all are rejected: each step samples every row, appends one
+    token and rolls the KDA states back to it, as a speculative step whose drafts miss."""
+    total = WARMUP_STEPS + steps + PROFILED_STEPS + 1  # + the eager step that counts the experts touched
+    max_tokens = total * (k + 1) + 2  # room for every draft accepted
+    llm = case_engine(model, args, batch, context + max_tokens + 1, device, tokens_per_seq=k + 1)
+    vocab = model.config.vocab_size
+    fill_cache(llm, batch, context, max_tokens, vocab, seed=batch)
+    g = torch.Generator().manual_seed(batch + 1)
+
+    def step() -> None:
+        for r in llm.scheduler.running:
+            r.draft_token_ids = torch.randint(0, vocab, (k,), generator=g).tolist()
+        llm.step()
+
+    ms = time_steps(step, device, steps)
+    kernels, _ = profile_kernels(step, device, PROFILED_STEPS)
+    touched = experts_touched(llm, step)
+    floor_bytes = weight_bytes(llm.model, batch * (k + 1), touched) + cache_bytes(llm, batch, context, k + 1)
+    floor_ms = 1e3 * floor_bytes / (bandwidth * 1e9)
+    graphs = llm.runner.graphs
+    graphed = graphs is not None and any(key.phase is Phase.VERIFY for key in graphs.graphs)
+    llm = graphs = None  # the closure keeps the cell: free the engine before the next case
+    release(device)
+    return dict(
+        case="verify",
+        phase="verify",
+        mode="graph" if graphed else "eager",
+        layers=model.config.num_hidden_layers,
+        batch=batch,
+        context=context,
+        draft_tokens=k,
+        ms_per_step=round(ms, 4),
+        verify_tokens_per_s=round(batch * (k + 1) * 1e3 / ms, 1),
+        kernels_per_step=kernels,
+        floor_ms=_sig(floor_ms),
+        floor_gb=round(floor_bytes / 1e9, 3),
+        pct_of_floor=_sig(100 * floor_ms / ms),
+        experts_touched_mean=round(sum(touched) / max(len(touched), 1), 1),
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+
+
 def bench_prefill(model, args, tokens: int, device) -> dict:
     """One prompt of `tokens` tokens prefilled through the engine (chunked by its token budget), one token out."""
     llm = LLM(
@@ -276,6 +337,7 @@ def bench_prefill(model, args, tokens: int, device) -> dict:
     release(device)
     return dict(
         case="prefill",
+        phase="prefill",
         layers=model.config.num_hidden_layers,
         batch=1,
         context=tokens,
@@ -296,8 +358,19 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def guarded(phase: str, shape: dict, device, fn, *args) -> dict:
+    """fn(*args)'s row, or a row saying the case ran out of memory."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError as err:
+        release(device)
+        return dict(case=phase, phase=phase, **shape, skipped=f"out of memory: {str(err)[:120]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not 0 <= args.verify_k <= 8:
+        raise SystemExit(f"--verify-k must be in [0, 8] (verify graphs take k <= 8), got {args.verify_k}")
     device = torch.device(args.device)
     cases = dict(CPU_CASES if device.type == "cpu" else QUICK_CASES if args.quick else GPU_CASES)
     batches, contexts = args.batches or cases["batches"], args.contexts or cases["contexts"]
@@ -320,17 +393,21 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model(config, dtype, device)
         for context in contexts:
             for batch in batches:
-                try:
-                    row = bench_case(model, args, batch, context, steps, bandwidth, device)
-                except torch.OutOfMemoryError as err:
-                    release(device)
-                    row = dict(case="decode", layers=config.num_hidden_layers, batch=batch, context=context,
-                               skipped=f"out of memory: {str(err)[:120]}")  # fmt: skip
+                shape = dict(layers=config.num_hidden_layers, batch=batch, context=context)
+                case = (model, args, batch, context, steps)
+                row = guarded("decode", shape, device, bench_case, *case, bandwidth, device)
                 hf = next((r for r in hf_rows if (r["batch"], r["context"]) == (batch, context)), None)
                 if hf is not None and "ms_per_step" in row and "ms_per_step" in hf:
                     row["speedup_vs_hf"] = round(hf["ms_per_step"] / row["ms_per_step"], 2)
                 rows.append({**meta, **row})
                 results.write(rows[-1])
+                if args.verify_k and "ms_per_step" in row:
+                    verify = guarded("verify", shape, device, bench_verify, *case, args.verify_k, bandwidth, device)
+                    if "ms_per_step" in verify:  # the time ratio, and the ratio of the bytes the two must move
+                        verify["verify_over_decode"] = round(verify["ms_per_step"] / row["ms_per_step"], 3)
+                        verify["floor_over_decode"] = round(verify["floor_ms"] / row["floor_ms"], 3)
+                    rows.append({**meta, **verify})
+                    results.write(rows[-1])
         if not args.no_prefill:
             rows.append({**meta, **bench_prefill(model, args, cases["prefill"], device)})
             results.write(rows[-1])
@@ -359,6 +436,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=8192, help="the engine's token budget for the prefill case")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    p.add_argument("--verify-k", type=int, default=4,
+                   help="after each decode case, verify steps of 1 + K tokens a sequence (0: none)")  # fmt: skip
     p.add_argument("--top-kernels", type=int, default=0, help="print and record the N kernels of most GPU time")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSONL results (default: {DEFAULT_OUT})")
     return p.parse_args(argv)
@@ -400,8 +479,8 @@ def bench_hf(args, dtype, device, batches, contexts, steps) -> list[dict]:
     rows = []
     for context in contexts:
         for batch in batches:
-            row = dict(case="decode", mode=f"transformers+{backend}", layers=model.config.num_hidden_layers,
-                       batch=batch, context=context)  # fmt: skip
+            row = dict(case="decode", phase="decode", mode=f"transformers+{backend}",
+                       layers=model.config.num_hidden_layers, batch=batch, context=context)  # fmt: skip
             try:
                 g = torch.Generator().manual_seed(batch)
                 ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
@@ -430,7 +509,8 @@ def bench_hf(args, dtype, device, batches, contexts, steps) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["case", "mode", "layers", "batch", "context", "ms_per_step", "tokens_per_s", "kernels_per_step",
-            "floor_ms", "pct_of_floor", "speedup_vs_hf", "prefill_tokens_per_s", "skipped"]  # fmt: skip
+            "floor_ms", "pct_of_floor", "speedup_vs_hf", "verify_over_decode", "floor_over_decode",
+            "prefill_tokens_per_s", "skipped"]  # fmt: skip
     cols = [c for c in cols if any(c in r for r in rows)]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

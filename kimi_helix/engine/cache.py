@@ -17,7 +17,7 @@ import torch
 from ..kernels.launch import cdiv
 from ..modeling.batch import ForwardBatch, Phase
 from ..modeling.config import KimiK3Config
-from ..modeling.paged_mla import FP8, PagedLatents, token_slots
+from ..modeling.paged_mla import FP8, PagedLatents
 
 
 @dataclass
@@ -26,12 +26,40 @@ class VerifyRecord:
 
     context_len: cached tokens before the group. conv_before: [W-1, 3P] the conv state before it. inputs:
     [n, 3P] the group's conv inputs. states: [n, H, K, V] fp32, the recurrent state after each of its tokens.
+    scratch_at: where the tensors lie in the cache's verify scratch, the same in every layer (its first token's
+    row, its sequence's conv row), or None when they are the kernels' own tensors.
     """
 
     context_len: int
     conv_before: torch.Tensor
     inputs: torch.Tensor
     states: torch.Tensor
+    scratch_at: tuple[int, int] | None = None
+
+
+@dataclass
+class VerifyScratch:
+    """One KDA layer's static buffers for verify steps of up to T tokens (so of up to T sequences), or every KDA
+    layer's, stacked on a leading layer axis: the kernels (or `CacheView.record_verify`) write a verify step's
+    per-token states and conv inputs here, so a CUDA graph replays into the same rows and the records built after
+    the step (`CacheView.commit`) are views of them. states: [T, H, K, V] fp32. inputs: [T, 3P]. conv_before:
+    [T, W-1, 3P]."""
+
+    states: torch.Tensor
+    inputs: torch.Tensor
+    conv_before: torch.Tensor
+
+
+@dataclass
+class _VerifyRun:
+    """What one KDA layer recorded for one phase run of a pass: the run's sequences in the pass and, in the run's
+    packed order, its conv states before, conv inputs and per-token states (scratch rows or the kernel's own)."""
+
+    seqs: slice
+    conv_before: torch.Tensor
+    inputs: torch.Tensor
+    states: torch.Tensor
+    scratch_rows: tuple[int, int] | None = None  # (first token row, first sequence row) in the scratch, if there
 
 
 @dataclass
@@ -87,7 +115,8 @@ class PagedCache:
 
     Per MLA layer: pages [num_pages, page_size, D] with D = kv_lora_rank + rope (fp8 e4m3 pages carry a per-token
     fp32 scale [num_pages, page_size]). Per KDA layer: conv [num_slots, W-1, 3P] in the model dtype and recurrent
-    [num_slots, H, K, V] in fp32.
+    [num_slots, H, K, V] in fp32, views of one tensor over the KDA layers each (so a rollback or reset of a
+    slot is one copy for all layers).
     """
 
     def __init__(self, config: KimiK3Config, ledger: PageLedger, dtype: torch.dtype, device, kv_cache_dtype="auto"):
@@ -100,18 +129,47 @@ class PagedCache:
         h, k, w = config.kda_num_heads, config.kda_head_dim, config.conv_kernel_size
         self.pages: dict[int, torch.Tensor] = {}
         self.scales: dict[int, torch.Tensor] = {}
-        self.conv: dict[int, torch.Tensor] = {}
-        self.recurrent: dict[int, torch.Tensor] = {}
-        for i in range(config.num_hidden_layers):
-            if config.is_mla_layer(i):
-                self.pages[i] = torch.zeros(n, ps, d, dtype=FP8 if self.fp8 else dtype, device=device)
-                if self.fp8:
-                    self.scales[i] = torch.ones(n, ps, dtype=torch.float32, device=device)
-            else:
-                self.conv[i] = torch.zeros(ledger.num_slots, w - 1, 3 * h * k, dtype=dtype, device=device)
-                self.recurrent[i] = torch.zeros(ledger.num_slots, h, k, k, dtype=torch.float32, device=device)
+        for i in filter(config.is_mla_layer, range(config.num_hidden_layers)):
+            self.pages[i] = torch.zeros(n, ps, d, dtype=FP8 if self.fp8 else dtype, device=device)
+            if self.fp8:
+                self.scales[i] = torch.ones(n, ps, dtype=torch.float32, device=device)
+        kda = [i for i in range(config.num_hidden_layers) if not config.is_mla_layer(i)]
+        slots = ledger.num_slots
+        # [L_kda, slots, ...]: one tensor per kind of state; the per-layer pools are its (contiguous) rows
+        self.conv_pools = torch.zeros(len(kda), slots, w - 1, 3 * h * k, dtype=dtype, device=device)
+        self.recurrent_pools = torch.zeros(len(kda), slots, h, k, k, dtype=torch.float32, device=device)
+        self.conv = {i: self.conv_pools[j] for j, i in enumerate(kda)}
+        self.recurrent = {i: self.recurrent_pools[j] for j, i in enumerate(kda)}
         # The last step's verify groups, per KDA layer and sequence (sized for that step's verify tokens only).
         self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
+        self.verify_scratch: dict[int, VerifyScratch] = {}  # per KDA layer, once `reserve_verify_scratch` ran
+        self._scratch_stack: VerifyScratch | None = None  # the same buffers over the stacked layers
+
+    def reserve_verify_scratch(self, max_tokens: int) -> None:
+        """Allocate each KDA layer's `VerifyScratch` for verify steps of up to `max_tokens` tokens (once: CUDA
+        graphs keep the addresses; asking for more than the first time raises)."""
+        if self.verify_scratch:
+            have = next(iter(self.verify_scratch.values())).states.shape[0]
+            if max_tokens > have:
+                raise ValueError(f"the verify scratch holds {have} tokens, asked for {max_tokens}")
+            return
+        if not self.conv:
+            return
+        layers, conv, state = len(self.conv), self.conv_pools, self.recurrent_pools
+        stack = VerifyScratch(
+            states=torch.zeros(layers, max_tokens, *state.shape[2:], dtype=state.dtype, device=state.device),
+            inputs=torch.zeros(layers, max_tokens, conv.shape[3], dtype=conv.dtype, device=conv.device),
+            conv_before=torch.zeros(layers, max_tokens, *conv.shape[2:], dtype=conv.dtype, device=conv.device),
+        )
+        self._scratch_stack = stack
+        for j, i in enumerate(self.conv):
+            self.verify_scratch[i] = VerifyScratch(stack.states[j], stack.inputs[j], stack.conv_before[j])
+
+    def verify_scratch_bytes_per_token(self) -> int:
+        """Bytes of verify scratch one token takes over all KDA layers (its state, its conv input and a conv state)."""
+        return sum(s[0].numel() * s.element_size() for s in self.recurrent.values()) + sum(
+            c.shape[1] * c.shape[2] * c.element_size() + c.shape[2] * c.element_size() for c in self.conv.values()
+        )
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[N, width] int32 host page ids of the sequences (rows padded with page 0, never read); width defaults to
@@ -124,10 +182,13 @@ class PagedCache:
         return table
 
     def view(self, seq_ids: list[int], backend: str | None = None) -> CacheView:
-        """The cache for one pass over `seq_ids`, addressing built on the fly (the runner builds its own)."""
+        """The cache for one pass over `seq_ids`, addressing built on the fly (the runner builds its own): the block
+        table and state slots go over in one copy."""
         device = next(iter({**self.pages, **self.conv}.values())).device
-        slots = torch.tensor([self.ledger.seqs[s].slot for s in seq_ids], dtype=torch.long)
-        return CacheView(self, seq_ids, self.block_table(seq_ids).to(device), slots.to(device), backend=backend)
+        table = self.block_table(seq_ids).long()
+        slots = torch.tensor([[self.ledger.seqs[s].slot] for s in seq_ids], dtype=torch.long)
+        packed = torch.cat([table, slots], dim=1).to(device, non_blocking=True)
+        return CacheView(self, seq_ids, packed[:, :-1].int(), packed[:, -1].contiguous(), backend=backend)
 
     def rollback(self, seq_id: int, num_keep: int) -> None:
         """Keep the first `num_keep` cached tokens of `seq_id` (after a verify step accepted fewer than it wrote).
@@ -139,22 +200,35 @@ class PagedCache:
         if not 0 <= num_keep <= blocks.length:
             raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
         if num_keep < blocks.length and self.conv:
-            for layer, conv in self.conv.items():
-                record = self.verify_records.get(layer, {}).get(seq_id)
-                kept = None if record is None else num_keep - record.context_len
-                if kept is None or not 1 <= kept <= record.inputs.shape[0]:
+            records = [self.verify_records.get(layer, {}).get(seq_id) for layer in self.conv]
+            for record in records:
+                if record is None or not 1 <= num_keep - record.context_len <= record.inputs.shape[0]:
                     raise ValueError(
                         f"sequence {seq_id}: KDA state can only be cut back inside the last step's verify group "
                         f"(to 1..{'?' if record is None else record.inputs.shape[0]} of its tokens), not to {num_keep}"
                     )
-                window = torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :]
-                conv[blocks.slot].copy_(window)
-                self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
+            kept = num_keep - records[0].context_len
+            where = {r.scratch_at for r in records}
+            if len(where) == 1 and (at := where.pop()) is not None:
+                self._cut_stacked(blocks.slot, *at, kept)
+            else:
+                for layer, record in zip(self.conv, records):
+                    conv = self.conv[layer]
+                    conv[blocks.slot].copy_(torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :])
+                    self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
         blocks.length = num_keep
 
+    def _cut_stacked(self, slot: int, row: int, seq: int, kept: int) -> None:
+        """Every KDA layer's state of `slot` after the first `kept` tokens of the group at scratch `row` (conv
+        state before it at scratch sequence row `seq`): two copies over the stacked layers."""
+        stack, width = self._scratch_stack, self.conv_pools.shape[2]
+        window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
+        self.conv_pools[:, slot].copy_(window)
+        self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
+
     def reset_state(self, slot: int) -> None:
-        for t in (*self.conv.values(), *self.recurrent.values()):
-            t[slot].zero_()
+        self.conv_pools[:, slot].zero_()
+        self.recurrent_pools[:, slot].zero_()
 
 
 class CacheView:
@@ -191,14 +265,22 @@ class CacheView:
         self.slot_mapping = slot_mapping
         self.backend = backend
         self._batch: ForwardBatch | None = None
-        self.verify_records: dict[int, dict[int, VerifyRecord]] = {}
+        self._verify_runs: dict[int, list[_VerifyRun]] = {}  # per KDA layer, this pass's runs with verify groups
+        self._scratch_used: dict[int, tuple[int, int]] = {}  # per KDA layer: (tokens, sequences) of scratch used
 
     def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do).
+        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do). The
+        # lengths and token slots come from the ledger on the host and go over in one copy (nothing waits for it).
         if not self.given and self._batch is not batch:
-            device = self.block_table.device
-            self.cache_seqlens = torch.tensor(batch.total_lens(), dtype=torch.int32, device=device)
-            self.slot_mapping = token_slots(self.block_table, batch, self.cache.ledger.page_size)
+            ps, seqs = self.cache.ledger.page_size, self.cache.ledger.seqs
+            slots = [
+                seqs[s].pages[p // ps] * ps + p % ps
+                for s, c, n in zip(self.seq_ids, batch.context_lens, batch.seq_lens)
+                for p in range(c, c + n)
+            ]
+            packed = torch.tensor(batch.total_lens() + slots, dtype=torch.int64)
+            packed = packed.to(self.block_table.device, non_blocking=True)
+            self.cache_seqlens, self.slot_mapping = packed[: batch.num_seqs].int(), packed[batch.num_seqs :]
             self._batch = batch
         return self.cache_seqlens, self.slot_mapping
 
@@ -216,24 +298,63 @@ class CacheView:
         )
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
-        """The layer's state pools and the batch's slots in them: the kernels update the pools in place."""
+        """The layer's state pools and the batch's slots in them: the kernels update the pools in place. Starts
+        the layer's pass: its verify scratch fills from row 0 again."""
+        self._verify_runs[layer_idx] = []
+        self._scratch_used[layer_idx] = (0, 0)
         return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self.state_indices
+
+    def verify_scratch(self, layer_idx: int, num_tokens: int) -> torch.Tensor | None:
+        """[num_tokens, H, K, V] fp32: the rows of the layer's static scratch where the next run's per-token states
+        go (`fused_recurrent_kda(..., intermediate_states=...)`), or None when the cache has no scratch or it is
+        full (the kernel allocates its own then)."""
+        scratch = self.cache.verify_scratch.get(layer_idx)
+        used = self._scratch_used.get(layer_idx, (0, 0))[0]
+        if scratch is None or used + num_tokens > scratch.states.shape[0]:
+            return None
+        return scratch.states[used : used + num_tokens]
 
     def record_verify(self, layer_idx: int, run, conv_before, inputs, states) -> None:
         """Called by a KDA layer for a run holding verify groups: conv_before [N, W-1, 3P] of the run's sequences,
-        inputs [t, 3P] and states [t, H, K, V] in the run's packed token order."""
-        records = self.verify_records.setdefault(layer_idx, {})
-        start = 0
-        for i, (n, ctx, phase) in enumerate(zip(run.batch.seq_lens, run.batch.context_lens, run.batch.phases)):
-            if phase is Phase.VERIFY:
-                seq_id = self.seq_ids[run.seqs.start + i]
-                records[seq_id] = VerifyRecord(
-                    ctx, conv_before[i], inputs[start : start + n], states[start : start + n]
-                )
-            start += n
+        inputs [t, 3P] and states [t, H, K, V] in the run's packed token order. They are copied into the layer's
+        static scratch when it has room (device copies, captured by a graph; `states` already written there by
+        the kernel is not copied), so the records `commit` builds hold after a graph replay too."""
+        scratch = self.cache.verify_scratch.get(layer_idx)
+        t, n = states.shape[0], conv_before.shape[0]
+        used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
+        if scratch is not None and used_t + t <= scratch.states.shape[0]:  # n <= t: the sequences fit too
+            rows, seqs = slice(used_t, used_t + t), slice(used_n, used_n + n)
+            for src, dst in ((states, scratch.states[rows]), (inputs, scratch.inputs[rows])):
+                if src.data_ptr() != dst.data_ptr():
+                    dst.copy_(src)
+            scratch.conv_before[seqs].copy_(conv_before)
+            conv_before, inputs, states = scratch.conv_before[seqs], scratch.inputs[rows], scratch.states[rows]
+            self._scratch_used[layer_idx] = (used_t + t, used_n + n)
+            at = (used_t, used_n)
+        else:
+            at = None
+        self._verify_runs.setdefault(layer_idx, []).append(_VerifyRun(run.seqs, conv_before, inputs, states, at))
 
-    def commit(self, batch: ForwardBatch) -> None:
-        """Record each sequence's cached length after the pass, and hand the cache this pass's verify records."""
+    def commit(self, batch: ForwardBatch, recorded: CacheView | None = None) -> None:
+        """Record each sequence's cached length after the pass, and hand the cache this pass's verify records: per
+        KDA layer and verify sequence of `batch`, views of what `recorded` (the view the pass ran with: this one,
+        or the one a replayed CUDA graph was captured with) recorded, for `batch`'s sequences and lengths."""
         for seq_id, total in zip(self.seq_ids, batch.total_lens()):
             self.cache.ledger.seqs[seq_id].length = total
-        self.cache.verify_records = self.verify_records
+        records: dict[int, dict[int, VerifyRecord]] = {}
+        for layer, runs in (recorded or self)._verify_runs.items():
+            for run in runs:
+                records.setdefault(layer, {}).update(self._records(run, batch))
+        self.cache.verify_records = {layer: recs for layer, recs in records.items() if recs}
+
+    def _records(self, run: _VerifyRun, batch: ForwardBatch):
+        """(sequence id, VerifyRecord) of each verify group of `batch` in the recorded `run`."""
+        start = 0
+        for i in range(run.seqs.start, min(run.seqs.stop, batch.num_seqs)):
+            n, j = batch.seq_lens[i], i - run.seqs.start
+            if batch.phases[i] is Phase.VERIFY:
+                rows = run.scratch_rows
+                at = None if rows is None else (rows[0] + start, rows[1] + j)
+                views = (run.conv_before[j], run.inputs[start : start + n], run.states[start : start + n])
+                yield self.seq_ids[i], VerifyRecord(batch.context_lens[i], *views, at)
+            start += n

@@ -7,11 +7,15 @@ replays it: one launch for the whole step.
 - Uniform steps only: every sequence DECODE (1 token), or every sequence VERIFY with the same 1 + k tokens
   (k <= `max_draft_tokens`). Mixed steps and prefill chunks run eagerly.
 - Batch buckets: a step of n sequences replays the graph of the smallest bucket >= n; graphs are captured on
-  first use (largest memory first is not needed: one pool is shared and replays never overlap).
-- Static inputs: the graph reads the runner's preallocated buffers (`runner.StepBuffers`: ids, positions,
-  cu_seqlens, block table, cache lengths, token slots, state slots). `ModelRunner.prepare` fills the first n
-  rows; the padding rows are refilled on every replay so they address only a scratch sequence the graphs own (one
-  cache page, one state slot): a padded row never reads or writes a live sequence's page or state.
+  first use (one memory pool is shared and replays never overlap).
+- Static inputs: the graph reads the runner's staging buffer (`runner.StepBuffers`: ids, positions, cu_seqlens,
+  block table, cache lengths, token slots, state slots) at the offsets of its shape. `ModelRunner.prepare` writes
+  the live rows and the padding rows (`runner.Padding`: they address only a scratch sequence the graphs own, one
+  cache page and one state slot) on the host and uploads them in one copy before each replay.
+- Verify steps and KDA rollback: the KDA layers write a verify step's per-token states and conv inputs into the
+  cache's static verify scratch (`PagedCache.reserve_verify_scratch`, sized for the largest graphed verify step:
+  the buckets whose scratch fits `verify_scratch_bytes`), and after each replay the records that
+  `PagedCache.rollback` reads are rebuilt for the step's own sequences from what the capture recorded.
 - Every launch decision inside the step comes from shapes fixed at capture (the bucket, the block-table width,
   the cache's dtype and page size), never from the step's lengths, which the kernels read on the device; so a
   graph captured once is valid for any lengths up to the block table's capacity. Nothing in the step reads a
@@ -23,22 +27,24 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..modeling.batch import ForwardBatch, Phase
 from .cache import CacheView
-from .runner import ModelRunner, RunnerOutput, StepInputs
+from .runner import ModelRunner, Padding, RunnerOutput, StepInputs
 from .scheduler import ScheduledStep
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SCRATCH_SEQ_ID", "GraphKey", "StepGraphs", "default_buckets"]
 
-# The ledger entry of the graphs' scratch sequence (request ids are >= 0).
-SCRATCH_SEQ_ID = -1
-# The token id padding rows feed (any valid id; its output is never sampled).
-PAD_TOKEN_ID = 0
+# The ledger entry of the graphs' scratch sequence (request ids are >= 0; profiling steps use small negative ids).
+SCRATCH_SEQ_ID = -(1 << 62)
+# Default room for the verify scratch: at kimi-linear-48b-a3b shapes (20 KDA layers, 2 MiB of state per token and
+# layer) 4 GiB serves 16 sequences at k = 4, 8 at k = 8; larger verify steps run eagerly.
+VERIFY_SCRATCH_BYTES = 4 << 30
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -49,26 +55,19 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return (*capped, max_num_seqs)
 
 
-@dataclass(frozen=True)
-class GraphKey:
+class GraphKey(NamedTuple):
     """One captured step shape: its phase, the bucket (sequences) and the new tokens per sequence."""
 
     phase: Phase
     batch: int
     tokens_per_seq: int
 
-    @property
-    def num_tokens(self) -> int:
-        return self.batch * self.tokens_per_seq
-
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: run eagerly from the static buffers (`use_graphs=False`)
-    logits: torch.Tensor  # [num_tokens, V] fp32, the graph's output buffer
-    pad_positions: torch.Tensor  # [num_tokens] position of each token within its (padding) sequence
-    pad_slots: torch.Tensor  # [num_tokens] the scratch page's slots those positions write
-    pad_cu_seqlens: torch.Tensor  # [batch + 1] cu_seqlens of a uniform step of this shape
+    logits: torch.Tensor  # [batch * tokens_per_seq, V] fp32, the graph's output buffer
+    view: CacheView | None = None  # the view captured with: what its KDA layers recorded for verify rollback
 
 
 class StepGraphs:
@@ -81,9 +80,11 @@ class StepGraphs:
         use_graphs: False runs each padded bucket-shaped step eagerly from the same static buffers instead of
             replaying a graph (any device): a graph's exact inputs without capture, to tell a capture problem from
             a padding problem, and what the CPU tests check the padding with.
+        verify_scratch_bytes: room for the KDA verify scratch; verify steps of buckets whose 1 + max_draft_tokens
+            tokens a sequence do not fit run eagerly.
 
     Reserves a scratch sequence in the runner's ledger (one state slot, one page): the engine sizes its ledger
-    one slot and one page above what requests may use.
+    one slot and one page above what requests may use. The verify scratch is allocated at the first verify step.
     """
 
     def __init__(
@@ -92,13 +93,14 @@ class StepGraphs:
         buckets: tuple[int, ...] | None = None,
         max_draft_tokens: int = 8,
         use_graphs: bool = True,
+        verify_scratch_bytes: int = VERIFY_SCRATCH_BYTES,
     ):
         if use_graphs and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
         if not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be an int >= 0, got {max_draft_tokens!r}")
         b = runner.buffers
-        self.max_seqs, self.max_tokens = b.cu_seqlens.shape[0] - 1, b.input_ids.shape[0]
+        self.max_seqs, self.max_tokens = b.max_seqs, b.max_tokens
         ledger = runner.cache.ledger
         if max_draft_tokens + 1 > ledger.page_size:
             raise ValueError(f"max_draft_tokens + 1 = {max_draft_tokens + 1} must fit one page ({ledger.page_size})")
@@ -107,9 +109,12 @@ class StepGraphs:
         self.buckets = tuple(sorted(s for s in (buckets or default_buckets(self.max_seqs)) if s <= self.max_seqs))
         if not self.buckets:
             raise ValueError(f"no bucket fits the runner's {self.max_seqs} sequences")
+        per_seq = (max_draft_tokens + 1) * runner.cache.verify_scratch_bytes_per_token()
+        fits = [s for s in self.buckets if s * per_seq <= verify_scratch_bytes]
+        self.max_verify_seqs = max(fits, default=0) if max_draft_tokens else 0  # the largest verify-graph bucket
         scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1)
         self.scratch_page, self.scratch_slot = scratch.pages[0], scratch.slot
-        runner.cache.reset_state(self.scratch_slot)
+        runner.cache.reset_state(scratch.slot)
         # every logit row of a uniform step, in packed order (ModelRunner._logit_tokens for decode and verify)
         self.rows = torch.arange(self.max_tokens, device=runner.device)
         self.use_graphs = use_graphs
@@ -120,7 +125,8 @@ class StepGraphs:
     # ---------------------------------------------------------------- dispatch
     def key_for(self, step: ScheduledStep) -> GraphKey | None:
         """The graph shape that serves `step`, or None when it must run eagerly (mixed phases, prefill, verify
-        groups of unequal or too many drafts, more sequences or tokens than the largest bucket)."""
+        groups of unequal or too many drafts, more sequences or tokens than the largest bucket, a verify step
+        beyond the verify scratch)."""
         phase = step.phases[0] if step.phases else Phase.PREFILL
         if phase is Phase.PREFILL or any(p is not phase for p in step.phases):
             return None
@@ -130,26 +136,39 @@ class StepGraphs:
         i = bisect.bisect_left(self.buckets, len(step.requests))
         if i == len(self.buckets) or self.buckets[i] * q > self.max_tokens:
             return None
+        if phase is Phase.VERIFY and self.buckets[i] > self.max_verify_seqs:
+            return None
         return GraphKey(phase, self.buckets[i], q)
 
     def run(self, step: ScheduledStep) -> RunnerOutput | None:
         """Replay the graph for `step` (capturing it on first use); None when the step has no graph shape or its
         forward cannot be captured (see `capture`)."""
         key = self.key_for(step)
-        if key is None or key in self.uncapturable:
+        if key is None or key in self.uncapturable or self._hooked():
             return None
         captured = self.graphs.get(key) or self.capture(key)
         if captured is None:
             return None
-        inputs, rows = self.runner.prepare(step)
-        self._pad(key, captured, len(step.requests))
+        inputs, rows = self.runner.prepare(step, self._padding(key))
         if captured.graph is None:
+            full = self._inputs(key)
             with torch.no_grad():
-                captured.logits = self.runner.forward(self._inputs(key))
+                captured.logits = self.runner.forward(full)
+            captured.view = full.view
         else:
             captured.graph.replay()
-        inputs.view.commit(inputs.batch)
+        inputs.view.commit(inputs.batch, recorded=captured.view)
         return RunnerOutput(captured.logits[: step.total_tokens], rows)
+
+    def _padding(self, key: GraphKey) -> Padding:
+        """The rows that fill `key`'s bucket: sequences on the scratch page and state slot."""
+        return Padding(key.batch, key.tokens_per_seq, self.scratch_page, self.scratch_slot)
+
+    def _hooked(self) -> bool:
+        """Forward hooks on the model's layers (a drafter's feature capture, say) must see every step, and a replay
+        runs no Python: while any is attached, steps run eagerly."""
+        model = self.runner.model.model
+        return bool(model._forward_hooks) or any(layer._forward_hooks for layer in model.layers)
 
     # ---------------------------------------------------------------- capture
     def capture(self, key: GraphKey) -> _Captured | None:
@@ -159,20 +178,14 @@ class StepGraphs:
         The first warm-up pass runs with synchronising CUDA calls made errors: a step that reads device values on
         the host (a torch reference kernel chosen by the backend switch, say) cannot be replayed, so its shape is
         recorded in `uncapturable` (with the reason) and runs eagerly. Returns None then."""
-        device, q = self.runner.device, key.tokens_per_seq
-        positions = torch.arange(key.num_tokens, device=device) % q
-        page_size = self.runner.cache.ledger.page_size
-        captured = _Captured(
-            graph=torch.cuda.CUDAGraph() if self.use_graphs else None,
-            logits=torch.empty(0),
-            pad_positions=positions,
-            pad_slots=self.scratch_page * page_size + positions,
-            pad_cu_seqlens=torch.arange(key.batch + 1, dtype=torch.int32, device=device) * q,
-        )
+        if key.phase is Phase.VERIFY:
+            self.runner.cache.reserve_verify_scratch(self.max_verify_seqs * (self.max_draft_tokens + 1))
+        captured = _Captured(graph=torch.cuda.CUDAGraph() if self.use_graphs else None, logits=torch.empty(0))
         if captured.graph is None:
             self.graphs[key] = captured
             return captured
-        self._pad(key, captured, 0)
+        device = self.runner.device
+        self.runner.prepare(ScheduledStep([], [], []), self._padding(key))
         inputs = self._inputs(key)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -193,41 +206,28 @@ class StepGraphs:
             self.uncapturable[key] = str(err)
             logger.warning("no CUDA graph for %s, it runs eagerly: %s", key, err)
             return None
+        captured.view = inputs.view
         self.graphs[key] = captured
         return captured
 
     def _inputs(self, key: GraphKey) -> StepInputs:
         """The runner's buffers as a step of `key`'s full shape: what the captured forward reads."""
-        b, n, t = self.runner.buffers, key.batch, key.num_tokens
+        n, t = key.batch, key.batch * key.tokens_per_seq
+        dev = self.runner.buffers.fields(t, n, t)
         batch = ForwardBatch(
             seq_lens=[key.tokens_per_seq] * n,
             context_lens=[0] * n,
-            cu_seqlens=b.cu_seqlens[: n + 1],
-            positions=b.positions[:t],
+            cu_seqlens=dev.cu_seqlens,
+            positions=dev.positions,
             phases=[key.phase] * n,
         )
         view = CacheView(
             self.runner.cache,
             [SCRATCH_SEQ_ID] * n,
-            b.block_table[:n],
-            b.state_indices[:n],
-            cache_seqlens=b.cache_seqlens[:n],
-            slot_mapping=b.slot_mapping[:t],
+            dev.block_table,
+            dev.state_indices,
+            cache_seqlens=dev.cache_seqlens,
+            slot_mapping=dev.slot_mapping,
             backend=self.runner.attention_backend,
         )
-        return StepInputs(b.input_ids[:t], batch, view, self.rows[:t])
-
-    def _pad(self, key: GraphKey, captured: _Captured, num_seqs: int) -> None:
-        """Point rows num_seqs.. of the bucket at the scratch sequence: the padded sequences hold only their own
-        new tokens, at the scratch page's first slots, and share the scratch state slot."""
-        n, t0 = num_seqs, num_seqs * key.tokens_per_seq
-        if n == key.batch:
-            return
-        b = self.runner.buffers
-        b.input_ids[t0 : key.num_tokens].fill_(PAD_TOKEN_ID)
-        b.positions[t0 : key.num_tokens].copy_(captured.pad_positions[t0:])
-        b.slot_mapping[t0 : key.num_tokens].copy_(captured.pad_slots[t0:])
-        b.cu_seqlens[n + 1 : key.batch + 1].copy_(captured.pad_cu_seqlens[n + 1 :])
-        b.cache_seqlens[n : key.batch].fill_(key.tokens_per_seq)
-        b.state_indices[n : key.batch].fill_(self.scratch_slot)
-        b.block_table[n : key.batch].fill_(self.scratch_page)
+        return StepInputs(dev.input_ids, batch, view, self.rows[:t])

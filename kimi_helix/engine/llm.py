@@ -205,10 +205,7 @@ class LLM:
             attention_backend=backends.attention,
         )
         if use_graphs:
-            # Speculative verify steps record per-token KDA states for rollback on the host side, which a replayed
-            # graph would skip: under speculation only plain decode steps are captured.
-            drafts = 0 if spec is not None else min(8, page_size - 1)
-            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=drafts)
+            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=min(8, page_size - 1))
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
         self.speculative = None
@@ -313,7 +310,7 @@ class LLM:
         per_request: dict[int, list[int]] = {}
         if draws:
             picked = [step.requests[i] for i, _ in draws]
-            rows = out.logits[torch.tensor([j for _, j in draws], device=out.logits.device)]
+            rows = out.logits[torch.tensor([j for _, j in draws]).to(out.logits.device, non_blocking=True)]
             sampled = sample(rows, [r.params for r in picked], [r.generator for r in picked])
             if self.comm is not None:  # every rank continues with rank 0's draws (unseeded RNGs differ)
                 sampled = self.comm.broadcast(sampled)

@@ -1,9 +1,10 @@
 """`ModelRunner`: one scheduled step in, logits at the requested positions out.
 
-The runner owns preallocated device buffers for every per-step input (token ids, positions, cu_seqlens, the block
-table, cache lengths, token slots, KDA state slots and the logit row index). `prepare` fills them from the
-scheduler's host-side step; `forward` reads only those buffers, so a decode or verify step of a fixed batch shape
-always sees the same tensors and can be captured once and replayed.
+The runner owns one preallocated staging buffer for every per-step input (token ids, positions, cu_seqlens, the
+block table, cache lengths, token slots, KDA state slots and the logit row index; `StepBuffers`). `prepare` fills
+its pinned host copy from the scheduler's host-side step and moves it in one asynchronous copy, so preparing a step
+never waits for the device; `forward` reads only the device buffer, so a decode or verify step of a fixed batch
+shape always sees the same tensors and can be captured once and replayed.
 
 Logit rows per scheduled request (`RunnerOutput.rows`): its last token for a decode or a final prefill chunk, every
 token of a verify group (row i = the distribution after token i of the group), every token of a prefill chunk when
@@ -15,10 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..modeling.batch import ForwardBatch, Phase
 from .cache import CacheView, PagedCache
 from .scheduler import ScheduledStep
+
+# The token id padding rows feed (any valid id; its output is never sampled).
+PAD_TOKEN_ID = 0
 
 
 @dataclass
@@ -39,21 +44,96 @@ class StepInputs:
     logits_index: torch.Tensor  # [R] int64 packed token index of each logit row
 
 
+@dataclass(frozen=True)
+class Padding:
+    """Rows a graphed step appends after the live ones to fill its shape: `batch` sequences of `tokens_per_seq`
+    new tokens in all. The appended sequences hold only their own tokens, at the first slots of `page`, and share
+    the state `slot`, so they never address a live sequence's page or state."""
+
+    batch: int
+    tokens_per_seq: int
+    page: int
+    slot: int
+
+
+@dataclass
+class StepFields:
+    """The per-step inputs, as views of one staging buffer (host or device) at a step shape's offsets."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    state_indices: torch.Tensor  # [N] int64
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+    cache_seqlens: torch.Tensor  # [N] int32
+    block_table: torch.Tensor  # [N, max_pages] int32
+    logits_index: torch.Tensor  # [R] int64, last: the offsets of the others do not depend on R
+
+
 class StepBuffers:
-    """Static device buffers sized for the largest step (`max_tokens` tokens of `max_seqs` sequences)."""
+    """One device byte buffer holding every per-step input, mirrored by one pinned host buffer.
+
+    A step's fields are packed back to back at offsets fixed by its shape (tokens T, sequences N; the logit rows R
+    come last), so `prepare` writes them on the host and `upload` moves the whole step in ONE asynchronous copy,
+    and every step of one shape reads the same device addresses (what a CUDA graph replays)."""
+
+    _SPECS = (  # (field, size: "T" tokens / "N" sequences / "N+1" / "NW" block table / "R" rows, dtype)
+        ("input_ids", "T", torch.int64),
+        ("positions", "T", torch.int64),
+        ("slot_mapping", "T", torch.int64),
+        ("state_indices", "N", torch.int64),
+        ("cu_seqlens", "N+1", torch.int32),
+        ("cache_seqlens", "N", torch.int32),
+        ("block_table", "NW", torch.int32),
+        ("logits_index", "R", torch.int64),
+    )
 
     def __init__(self, max_seqs: int, max_tokens: int, max_pages: int, device):
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=device)
+        self.max_seqs, self.max_tokens, self.max_pages = max_seqs, max_tokens, max_pages
+        self.device = torch.device(device)
+        nbytes = self._end(max_tokens, max_seqs, max_tokens)
+        self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._uploaded = None  # CUDA event after the last upload: the host buffer is reused only once it is done
 
-        self.input_ids = zeros(max_tokens)
-        self.positions = zeros(max_tokens)
-        self.slot_mapping = zeros(max_tokens)
-        self.logits_index = zeros(max_tokens)
-        self.cu_seqlens = zeros(max_seqs + 1, dtype=torch.int32)
-        self.cache_seqlens = zeros(max_seqs, dtype=torch.int32)
-        self.state_indices = zeros(max_seqs)
-        self.block_table = zeros(max_seqs, max_pages, dtype=torch.int32)
+    def _offsets(self, t: int, n: int, r: int):
+        sizes = {"T": t, "N": n, "N+1": n + 1, "NW": n * self.max_pages, "R": r}
+        offset = 0
+        for name, size, dtype in self._SPECS:
+            count = sizes[size]
+            yield name, offset, count, dtype
+            offset += -(-count * dtype.itemsize // 8) * 8  # every field 8-byte aligned
+
+    def _end(self, t: int, n: int, r: int) -> int:
+        _, offset, count, dtype = list(self._offsets(t, n, r))[-1]
+        return offset + count * dtype.itemsize
+
+    def fields(self, t: int, n: int, r: int, host: bool = False) -> StepFields:
+        """Views of the host or device buffer for a step of `t` tokens, `n` sequences and `r` logit rows."""
+        if t > self.max_tokens or n > self.max_seqs or r > self.max_tokens:
+            raise ValueError(f"a step of {t} tokens, {n} sequences, {r} rows exceeds the runner's buffers "
+                             f"({self.max_tokens} tokens, {self.max_seqs} sequences)")  # fmt: skip
+        buffer = self.host_bytes if host else self.device_bytes
+        views = {
+            name: buffer[offset : offset + count * dtype.itemsize].view(dtype)
+            for name, offset, count, dtype in self._offsets(t, n, r)
+        }
+        views["block_table"] = views["block_table"].view(n, self.max_pages)
+        return StepFields(**views)
+
+    def host_fields(self, t: int, n: int, r: int) -> StepFields:
+        """The host views to fill, once the previous upload has left the pinned buffer (normally long done)."""
+        if self._uploaded is not None and not self._uploaded.query():
+            self._uploaded.synchronize()
+        return self.fields(t, n, r, host=True)
+
+    def upload(self, t: int, n: int, r: int) -> None:
+        """Copy the step's bytes to the device in one non-blocking copy from pinned memory."""
+        end = self._end(t, n, r)
+        self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
+        if self.device.type == "cuda":
+            self._uploaded = self._uploaded or torch.cuda.Event()
+            self._uploaded.record()
 
 
 class ModelRunner:
@@ -84,6 +164,7 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
         # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
         self.graphs = None
+        self._page_rows: dict[int, tuple[object, torch.Tensor]] = {}
 
     def run(self, step: ScheduledStep) -> RunnerOutput:
         """Prepare the inputs, run the forward pass, return the logits at the requested rows; commit lengths."""
@@ -105,52 +186,89 @@ class ModelRunner:
         hidden = model.forward_packed(model.embed_tokens(inputs.input_ids), inputs.batch, inputs.view)
         return self.model.lm_head(hidden[inputs.logits_index]).float()
 
-    def prepare(self, step: ScheduledStep) -> tuple[StepInputs, list[slice]]:
-        """Fill the buffers for `step` and return views of them plus each request's logit rows."""
-        reqs, n_seqs, n_tok = step.requests, len(step.requests), step.total_tokens
-        ps = self.cache.ledger.page_size
+    def prepare(self, step: ScheduledStep, padding: Padding | None = None) -> tuple[StepInputs, list[slice]]:
+        """Fill the buffers for `step` (and `padding`'s rows after it) and return views of the live part plus each
+        request's logit rows. Host work only, then one asynchronous copy: nothing here waits for the device."""
+        reqs, n_live, t_live = step.requests, len(step.requests), step.total_tokens
+        n, t = (n_live, t_live) if padding is None else (padding.batch, padding.batch * padding.tokens_per_seq)
         contexts = [r.num_computed for r in reqs]
-        ids, positions, slots, rows, index = [], [], [], [], []
-        for r, tokens, ctx, phase in zip(reqs, step.token_ids, contexts, step.phases):
-            pages = self.cache.ledger.seqs[r.request_id].pages
-            start = len(ids)
-            ids.extend(tokens)
-            for p in range(ctx, ctx + len(tokens)):
-                positions.append(p)
-                slots.append(pages[p // ps] * ps + p % ps)
-            wanted = self._logit_tokens(r, phase, ctx, len(tokens))
+        rows, index = [], []
+        start = 0
+        for r, phase, ctx, m in zip(reqs, step.phases, contexts, step.num_tokens):
+            wanted = self._logit_tokens(r, phase, ctx, m)
             rows.append(slice(len(index), len(index) + len(wanted)))
             index.extend(start + j for j in wanted)
-        b = self.buffers
-        cu = [0]
-        for n in step.num_tokens:
-            cu.append(cu[-1] + n)
-        self._fill(b.input_ids, ids)
-        self._fill(b.positions, positions)
-        self._fill(b.slot_mapping, slots)
-        self._fill(b.logits_index, index)
-        self._fill(b.cu_seqlens, cu)
-        self._fill(b.cache_seqlens, [c + n for c, n in zip(contexts, step.num_tokens)])
-        self._fill(b.state_indices, [self.cache.ledger.seqs[r.request_id].slot for r in reqs])
-        seq_ids = [r.request_id for r in reqs]
-        b.block_table[:n_seqs].copy_(self.cache.block_table(seq_ids, b.block_table.shape[1]), non_blocking=True)
+            start += m
+        host = self.buffers.host_fields(t, n, len(index))
+        self._stage_live(host, step, contexts)
+        host.logits_index.copy_(torch.tensor(index, dtype=torch.int64))
+        if padding is not None:
+            self._stage_padding(host, padding, n_live)
+        self.buffers.upload(t, n, len(index))
+        dev = self.buffers.fields(t, n, len(index))
         batch = ForwardBatch(
             seq_lens=step.num_tokens,
             context_lens=contexts,
-            cu_seqlens=b.cu_seqlens[: n_seqs + 1],
-            positions=b.positions[:n_tok],
+            cu_seqlens=dev.cu_seqlens[: n_live + 1],
+            positions=dev.positions[:t_live],
             phases=list(step.phases),
         )
         view = CacheView(
             self.cache,
-            seq_ids,
-            b.block_table[:n_seqs],
-            b.state_indices[:n_seqs],
-            cache_seqlens=b.cache_seqlens[:n_seqs],
-            slot_mapping=b.slot_mapping[:n_tok],
+            [r.request_id for r in reqs],
+            dev.block_table[:n_live],
+            dev.state_indices[:n_live],
+            cache_seqlens=dev.cache_seqlens[:n_live],
+            slot_mapping=dev.slot_mapping[:t_live],
             backend=self.attention_backend,
         )
-        return StepInputs(b.input_ids[:n_tok], batch, view, b.logits_index[: len(index)]), rows
+        return StepInputs(dev.input_ids[:t_live], batch, view, dev.logits_index), rows
+
+    def _stage_live(self, host: StepFields, step: ScheduledStep, contexts: list[int]) -> None:
+        """Write the scheduled sequences' rows of every field into the host views (vectorised over tokens)."""
+        n, t, ps = len(step.requests), step.total_tokens, self.cache.ledger.page_size
+        lens = torch.tensor(step.num_tokens, dtype=torch.int64)
+        ctx = torch.tensor(contexts, dtype=torch.int64)
+        cu = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=cu[1:])
+        host.cu_seqlens[: n + 1].copy_(cu)
+        host.cache_seqlens[:n].copy_(ctx + lens)
+        ledger = self.cache.ledger
+        blocks = [ledger.seqs[r.request_id] for r in step.requests]
+        host.state_indices[:n].copy_(torch.tensor([b.slot for b in blocks], dtype=torch.int64))
+        table = host.block_table[:n]
+        table.zero_()  # unused entries: page 0, never read (the kernels stop at each sequence's length)
+        if n:
+            rows = pad_sequence([self._page_row(r.request_id, b) for r, b in zip(step.requests, blocks)], True)
+            table[:, : rows.shape[1]].copy_(rows)
+        host.input_ids[:t].copy_(torch.tensor([tok for ids in step.token_ids for tok in ids], dtype=torch.int64))
+        seq = torch.repeat_interleave(torch.arange(n), lens)
+        positions = torch.arange(t) - cu[:-1][seq] + ctx[seq]
+        host.positions[:t].copy_(positions)
+        host.slot_mapping[:t].copy_(table[seq, positions // ps].long() * ps + positions % ps)
+
+    def _stage_padding(self, host: StepFields, padding: Padding, n_live: int) -> None:
+        """Rows n_live.. of `padding`'s shape: sequences of only their own new tokens on the padding page/slot."""
+        q, n, ps = padding.tokens_per_seq, padding.batch, self.cache.ledger.page_size
+        t0 = n_live * q
+        within = torch.arange(n * q - t0) % q
+        host.input_ids[t0:].fill_(PAD_TOKEN_ID)
+        host.positions[t0:].copy_(within)
+        host.slot_mapping[t0:].copy_(padding.page * ps + within)
+        host.cu_seqlens[n_live + 1 :].copy_(torch.arange(n_live + 1, n + 1) * q)
+        host.cache_seqlens[n_live:].fill_(q)
+        host.state_indices[n_live:].fill_(padding.slot)
+        host.block_table[n_live:].fill_(padding.page)
+
+    def _page_row(self, seq_id: int, blocks) -> torch.Tensor:
+        """A sequence's page ids as an int32 host tensor, built once per admission (pages never change after)."""
+        cached = self._page_rows.get(seq_id)
+        if cached is None or cached[0] is not blocks:
+            if len(self._page_rows) > 4 * max(len(self.cache.ledger.seqs), 1):  # drop released sequences
+                self._page_rows = {s: v for s, v in self._page_rows.items() if self.cache.ledger.seqs.get(s) is v[0]}
+            cached = (blocks, torch.tensor(blocks.pages, dtype=torch.int32))
+            self._page_rows[seq_id] = cached
+        return cached[1]
 
     @staticmethod
     def _logit_tokens(request, phase: Phase, context: int, n: int) -> range:
@@ -160,9 +278,3 @@ class ModelRunner:
         if request.params.prompt_logprobs is not None:
             return range(n)
         return range(n - 1, n) if context + n == len(request.prompt_ids) else range(0)
-
-    @staticmethod
-    def _fill(buffer: torch.Tensor, values: list[int]) -> None:
-        if values:
-            host = torch.tensor(values, dtype=buffer.dtype)
-            buffer[: len(values)].copy_(host, non_blocking=True)

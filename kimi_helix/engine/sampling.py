@@ -188,26 +188,26 @@ def sample(
     n, vocab = logits.shape
     if len(params) != n or len(generators) != n:
         raise ValueError(f"logits has {n} rows but params has {len(params)} and generators {len(generators)}")
-    device = logits.device
+    device = logits.device  # per-row tensors go over without a blocking copy: a step syncs once, for its tokens
     logits = logits.float()
     out = torch.empty(n, dtype=torch.int64, device=device)
 
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if greedy:
-        rows = torch.tensor(greedy, device=device)
+        rows = torch.tensor(greedy).to(device, non_blocking=True)
         out[rows] = logits[rows].argmax(dim=-1)
     if not rand:
         return out
 
-    rows = torch.tensor(rand, device=device)
-    temps = torch.tensor([params[i].temperature for i in rand], dtype=torch.float32, device=device)
+    rows = torch.tensor(rand).to(device, non_blocking=True)
+    temps = torch.tensor([params[i].temperature for i in rand], dtype=torch.float32).to(device, non_blocking=True)
     scaled = logits[rows] / temps[:, None]
 
     # Only rows that filter are sorted; a row with both filters off keeps its logits bit for bit either way.
     filtered = [j for j, i in enumerate(rand) if params[i].top_k > 0 or params[i].top_p < 1]
     if filtered:
-        sub = torch.tensor(filtered, device=device)
+        sub = torch.tensor(filtered).to(device, non_blocking=True)
         scaled[sub] = _filter_top_k_top_p(scaled[sub], [params[rand[j]] for j in filtered])
 
     probs = torch.softmax(scaled, dim=-1)
@@ -225,9 +225,9 @@ def _filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> t
     m, vocab = scaled.shape
     device = scaled.device
     # top_k off (0 / -1) or >= V keeps everything; top_p = 1 keeps everything without trusting a float cumsum.
-    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    p_off = torch.tensor([p.top_p >= 1 for p in params], device=device)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).to(device, non_blocking=True)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True)
+    p_off = torch.tensor([p.top_p >= 1 for p in params]).to(device, non_blocking=True)
 
     # A stable sort ranks tied logits by index, so top_k=1 and a tiny top_p keep exactly the argmax.
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)

@@ -180,3 +180,112 @@ def test_kernels_per_replayed_decode_step_are_recorded(batch, record_property):
     print(f"decode step, batch {batch}: {kernels} kernels, {kernels / layers:.1f} a layer")
     record_property("kernels_per_step", kernels)
     assert kernels > 0, "the profiler saw no kernel of the replayed graph"
+
+
+def _verify_then_rollback(llm: LLM, prompts: list[list[int]], k: int, keep: list[int]):
+    """One verify step of 1 + k tokens per sequence, then each sequence cut back to its first keep[i] tokens of
+    the group: the cache's verify records (cloned) and the KDA states after the rollback."""
+    requests = _prefilled(llm, prompts)
+    for i, r in enumerate(requests):
+        r.draft_token_ids = [(5 * i + j) % 100 + 3 for j in range(k)]
+    step = llm.scheduler.schedule()
+    assert step.phases == [Phase.VERIFY] * len(prompts)
+    llm.runner.run(step)
+    records = {
+        (layer, s): [rec.context_len, rec.conv_before.clone(), rec.inputs.clone(), rec.states.clone()]
+        for layer, recs in llm.cache.verify_records.items()
+        for s, rec in recs.items()
+    }
+    for r, n in zip(requests, keep):
+        llm.cache.rollback(r.request_id, r.num_computed + n)
+    slots = [llm.cache.ledger.seqs[r.request_id].slot for r in requests]
+    states = {i: (llm.cache.conv[i][slots].clone(), llm.cache.recurrent[i][slots].clone()) for i in llm.cache.conv}
+    return records, states
+
+
+@DEVICES
+def test_graph_verify_records_and_rollback_equal_eager(device):
+    """Verify steps replayed from a graph (3 sequences in bucket 4) leave the records `PagedCache.rollback` reads,
+    for the step's own sequences, equal to an eager step's; so do the states after cutting each group back."""
+    model = _model(device)
+    prompts, k, keep = _prompts(3), 4, [1, 3, 5]
+    eager_records, eager_states = _verify_then_rollback(_llm(model, False), prompts, k, keep)
+    llm = _llm(model, True)
+    records, states = _verify_then_rollback(llm, prompts, k, keep)
+    assert GraphKey(Phase.VERIFY, 4, 1 + k) in llm.runner.graphs.graphs, llm.runner.graphs.uncapturable
+    scratch = next(iter(llm.cache.verify_scratch.values()))
+    assert scratch.states.shape[0] >= 4 * (1 + k)
+    # the graphed step's records are views of the static scratch (the rollback cuts all layers at once from it)
+    rows = {rec.scratch_at for recs in llm.cache.verify_records.values() for rec in recs.values()}
+    assert rows == {(0, 0), (1 + k, 1), (2 * (1 + k), 2)}
+    assert sorted(records) == sorted(eager_records) and {s for _, s in records} == {0, 1, 2}
+    for key, (ctx, *tensors) in records.items():
+        assert ctx == eager_records[key][0]
+        for got, want in zip(tensors, eager_records[key][1:]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for i, (conv, recurrent) in states.items():
+        torch.testing.assert_close(conv, eager_states[i][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(recurrent, eager_states[i][1], rtol=1e-4, atol=1e-4)
+
+
+def test_verify_steps_beyond_the_scratch_run_eagerly():
+    """A verify bucket whose scratch would not fit `verify_scratch_bytes` gets no graph; decodes still do."""
+    llm = LLM(_model("cpu"), max_num_seqs=8, max_model_len=64, page_size=16)
+    per_token = llm.cache.verify_scratch_bytes_per_token()
+    graphs = StepGraphs(llm.runner, max_draft_tokens=3, use_graphs=False, verify_scratch_bytes=2 * 4 * per_token)
+    assert graphs.max_verify_seqs == 2
+    a, b, c = _prefilled(llm, _prompts(3))
+    verify = Phase.VERIFY
+    assert graphs.key_for(ScheduledStep([a, b], [verify] * 2, [[1, 2]] * 2)) == GraphKey(verify, 2, 2)
+    assert graphs.key_for(ScheduledStep([a, b, c], [verify] * 3, [[1, 2]] * 3)) is None
+    assert graphs.key_for(ScheduledStep([a, b, c], [Phase.DECODE] * 3, [[1]] * 3)) == GraphKey(Phase.DECODE, 4, 1)
+
+
+@DEVICES
+@pytest.mark.parametrize("k", [2, 5], ids=lambda k: f"k{k}")
+def test_speculative_greedy_with_graphs_equals_eager_and_plain_greedy(device, k):
+    """Speculative greedy decoding with verify steps replayed from graphs (partial acceptance forced at every
+    position, so the KDA rollback reads the scratch a replay wrote) equals the eager run and plain greedy."""
+    from ..speculative.conftest import OracleProposer
+
+    model = _model(device)
+    prompts = _prompts(3)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(model, False).generate(prompts, params)]
+    oracle = {i: {"prompt": p, "out": o} for i, (p, o) in enumerate(zip(prompts, plain))}
+    outs = []
+    for graphs in (False, True):
+        llm = LLM(
+            model,
+            max_num_seqs=8,
+            max_model_len=64,
+            page_size=16,
+            enforce_eager=not graphs,
+            speculative_config={"method": "custom", "num_speculative_tokens": k},
+            proposer=OracleProposer(oracle, vocab=model.config.vocab_size),
+        )
+        if graphs and device == "cpu":
+            llm.runner.graphs = StepGraphs(llm.runner, use_graphs=False)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert 0 < llm.speculative.metrics.acceptance_by_position[0] < 1  # rollbacks happened
+    graphs = llm.runner.graphs
+    assert any(key.phase is Phase.VERIFY for key in graphs.graphs), graphs.uncapturable
+    assert outs[0] == plain and outs[1] == plain
+
+
+def test_steps_run_eagerly_while_a_layer_has_a_forward_hook():
+    """A replay runs no Python, so a hook (DSpark's feature capture) would miss the step: such steps run eagerly."""
+    model = _model("cpu")
+    llm = _llm(model, graphs=True)
+    _prefilled(llm, _prompts(3))
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda _m, _i, out: seen.append(out.shape[0]))
+    try:
+        step = llm.scheduler.schedule()
+        assert llm.runner.graphs.key_for(step) is not None and llm.runner.graphs.run(step) is None
+        llm.step()
+        assert seen == [3]  # the eager step's three tokens, not bucket 4's padded shape
+    finally:
+        handle.remove()
+    step = llm.scheduler.schedule()
+    assert llm.runner.graphs.run(step) is not None

@@ -3,6 +3,7 @@
 import torch
 
 from kimi_helix.engine import LLM, SamplingParams
+from kimi_helix.engine.runner import Padding
 from kimi_helix.engine.scheduler import Request, ScheduledStep
 from kimi_helix.modeling.batch import Phase
 
@@ -74,3 +75,52 @@ def test_steps_of_one_shape_read_the_same_device_buffers():
 
     (first, lens1), (second, lens2) = addresses(), addresses()
     assert first == second and lens2 == [n + 1 for n in lens1]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_step_is_staged_on_the_host_and_goes_over_in_one_copy():
+    """A mixed step's inputs are views of the runner's one device buffer, filled by one upload, with the values the
+    ledger implies (positions, token slots, lengths, block table, state slots, logit rows)."""
+    llm = LLM(make_model(), page_size=8, max_num_batched_tokens=64)
+    a, b, c = prompts([21, 13, 30], seed=14)
+    ra, rb, rc = admitted(llm, 0, a), admitted(llm, 1, b), admitted(llm, 2, c)
+    run(llm, [(ra, Phase.PREFILL, a), (rb, Phase.PREFILL, b)])
+    buffers, uploads = llm.runner.buffers, []
+    upload = buffers.upload
+    buffers.upload = lambda *shape: (uploads.append(shape), upload(*shape))
+    step = ScheduledStep([ra, rb, rc], [Phase.VERIFY, Phase.DECODE, Phase.PREFILL], [[5, 6, 7], [8], c[:10]])
+    inputs, rows = llm.runner.prepare(step)
+    assert uploads == [(14, 3, 4)]  # 14 tokens, 3 sequences, 4 logit rows (3 verify, 1 decode, none mid-prompt)
+    v, batch = inputs.view, inputs.batch
+    tensors = (inputs.input_ids, batch.positions, batch.cu_seqlens, v.block_table, v.cache_seqlens, v.slot_mapping)
+    assert {_storage(t) for t in (*tensors, v.state_indices, inputs.logits_index)} == {_storage(buffers.device_bytes)}
+    ledger, ps = llm.cache.ledger, 8
+    positions = [*range(21, 24), 13, *range(0, 10)]
+    owners = [0, 0, 0, 1] + [2] * 10
+    assert inputs.input_ids.tolist() == [5, 6, 7, 8] + c[:10]
+    assert batch.positions.tolist() == positions
+    assert v.slot_mapping.tolist() == [ledger.seqs[s].pages[p // ps] * ps + p % ps for s, p in zip(owners, positions)]
+    assert batch.cu_seqlens.tolist() == [0, 3, 4, 14] and v.cache_seqlens.tolist() == [24, 14, 10]
+    assert v.state_indices.tolist() == [ledger.seqs[s].slot for s in range(3)]
+    for s, row in enumerate(v.block_table.tolist()):
+        pages = ledger.seqs[s].pages
+        assert row == pages + [0] * (len(row) - len(pages))
+    assert inputs.logits_index.tolist() == [0, 1, 2, 3] and rows == [slice(0, 3), slice(3, 4), slice(4, 4)]
+
+
+def test_padding_rows_are_staged_with_the_live_ones():
+    """A graphed step's padding rows (`Padding`) address only the padding page and slot, in the same upload."""
+    llm = LLM(make_model(), page_size=8, max_num_seqs=6)
+    reqs = [admitted(llm, i, p) for i, p in enumerate(prompts([9, 14, 5], seed=15))]
+    run(llm, [(r, Phase.PREFILL, r.prompt_ids) for r in reqs])
+    page, slot = llm.cache.ledger.free_pages[-1], llm.cache.ledger.free_slots[-1]
+    step = ScheduledStep(reqs, [Phase.VERIFY] * 3, [[1, 2], [3, 4], [5, 6]])
+    llm.runner.prepare(step, Padding(batch=4, tokens_per_seq=2, page=page, slot=slot))
+    full = llm.runner.buffers.fields(8, 4, 8)
+    assert full.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 0, 0]
+    assert full.positions.tolist()[6:] == [0, 1] and full.slot_mapping.tolist()[6:] == [page * 8, page * 8 + 1]
+    assert full.cu_seqlens.tolist() == [0, 2, 4, 6, 8] and full.cache_seqlens.tolist() == [11, 16, 7, 2]
+    assert full.state_indices.tolist()[3] == slot and set(full.block_table[3].tolist()) == {page}

@@ -20,9 +20,10 @@ def test_cpu_smoke_run_writes_every_case(tmp_path, capsys):
     out = tmp_path / "e2e.jsonl"
     assert _load().main(["--device", "cpu", "--preset", "tiny", "--layers", "3", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    ours = [r for r in rows if r["case"] == "decode" and r.get("mode") == "eager"]
+    ours = [r for r in rows if r["phase"] == "decode" and r.get("mode") == "eager"]
+    verify = [r for r in rows if r["phase"] == "verify"]
     hf = [r for r in rows if r["case"] == "decode" and str(r.get("mode")).startswith("transformers")]
-    prefill = [r for r in rows if r["case"] == "prefill"]
+    prefill = [r for r in rows if r["phase"] == "prefill"]
     assert [(r["batch"], r["context"]) for r in ours] == [(1, 16), (2, 16)]
     for r in ours:
         assert {"gpu", "date", "commit", "layers", "batch", "context", "ms_per_step", "kernels_per_step", "floor_ms",
@@ -31,6 +32,10 @@ def test_cpu_smoke_run_writes_every_case(tmp_path, capsys):
         assert r["experts_touched_mean"] >= 1
     assert [(r["batch"], r["context"]) for r in hf] == [(1, 16)] and hf[0]["ms_per_step"] > 0
     assert ours[0]["speedup_vs_hf"] == round(hf[0]["ms_per_step"] / ours[0]["ms_per_step"], 2)
+    assert [(r["batch"], r["context"], r["draft_tokens"]) for r in verify] == [(1, 16, 4), (2, 16, 4)]
+    for v, d in zip(verify, ours):
+        assert v["ms_per_step"] > 0 and v["verify_over_decode"] == round(v["ms_per_step"] / d["ms_per_step"], 3)
+        assert v["floor_ms"] > d["floor_ms"] and v["floor_over_decode"] == round(v["floor_ms"] / d["floor_ms"], 3)
     assert len(prefill) == 1 and prefill[0]["prefill_tokens_per_s"] > 0
     table = capsys.readouterr().out
     assert "| case |" in table and "pct_of_floor" in table
