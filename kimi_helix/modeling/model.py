@@ -33,8 +33,8 @@ class KimiK3DecoderLayer(nn.Module):
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
-        self.is_mla = config.is_mla_layer(layer_idx)
-        self.self_attn = MLAttention(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
+        mla = config.is_mla_layer(layer_idx)
+        self.self_attn = MLAttention(config, layer_idx) if mla else KimiDeltaAttention(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Checkpoint names: `block_sparse_moe` for MoE layers, `mlp` for the dense ones.
