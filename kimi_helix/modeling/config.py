@@ -43,6 +43,14 @@ _METADATA = frozenset(PretrainedConfig.__dataclass_fields__) | {
     "auto_map",
 }
 
+# The fields `validate_fields` checks by type alone (the others have their own rules there).
+_POSITIVE_INT_FIELDS = (
+    *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
+    *("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size", "model_max_length"),
+)
+_BOOL_FIELDS = ("mla_use_nope", "mla_use_output_gate", "use_full_rank_gate", "moe_renormalize", "use_grouped_topk")
+_BOOL_FIELDS += ("use_cache", "tie_word_embeddings")
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field and what is allowed."""
@@ -144,6 +152,10 @@ class KimiK3Config(PretrainedConfig):
         pad_token_id: int | None = 163839,
         **kwargs: Any,
     ):
+        if rope_scaling is not None:
+            raise ConfigError(
+                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
+            )
         if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
             raise ConfigError(f"KimiK3Config.linear_attn_config must be an object, got {linear_attn_config!r}")
         lac = self._fold_transformers_fields(dict(linear_attn_config or {}), kwargs)
@@ -189,25 +201,7 @@ class KimiK3Config(PretrainedConfig):
         self.initializer_range = initializer_range
         self.use_cache = use_cache
 
-        lac.setdefault("num_heads", 32)
-        lac.setdefault("head_dim", 128)
-        lac.setdefault("short_conv_kernel_size", 4)
-        if "full_attn_layers" not in lac and "kda_layers" not in lac and layer_types is not None:
-            lac["full_attn_layers"] = [
-                i + 1 for i, t in enumerate(_list_field("layer_types", layer_types)) if t == FULL_ATTENTION
-            ]
-        if "full_attn_layers" not in lac:
-            full = lac.get("kda_layers")
-            lac["full_attn_layers"] = (
-                default_full_attn_layers(num_hidden_layers)
-                if not isinstance(full, (list, tuple))
-                else [i for i in range(1, num_hidden_layers + 1) if i not in set(full)]
-            )
-        if "kda_layers" not in lac:
-            full = lac["full_attn_layers"]
-            full = set(full) if isinstance(full, (list, tuple)) else ()
-            lac["kda_layers"] = [i for i in range(1, num_hidden_layers + 1) if i not in full]
-        self.linear_attn_config = lac
+        self.linear_attn_config = _complete_layer_lists(lac, num_hidden_layers, layer_types)
         _check_int("num_hidden_layers", self.num_hidden_layers)
         _check_int("num_experts", self.num_experts, minimum=0)
         self._validate_layers()  # before PretrainedConfig's own validators read `layer_types`
@@ -220,10 +214,6 @@ class KimiK3Config(PretrainedConfig):
             pad_token_id=pad_token_id,
             **kwargs,
         )
-        if rope_scaling is not None:
-            raise ConfigError(
-                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
-            )
         self.validate_fields()
         self._check_layer_types(layer_types)
         if qk_head_dim is not None and qk_head_dim != self.qk_head_dim:
@@ -315,18 +305,7 @@ class KimiK3Config(PretrainedConfig):
     # ---------------------------------------------------------------- validation
     def validate_fields(self) -> None:
         """Raise `ConfigError` naming the first field whose value has the wrong type or cannot work."""
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "v_head_dim",
-            "intermediate_size",
-            "model_max_length",
-        ):
+        for name in _POSITIVE_INT_FIELDS:
             _check_int(name, getattr(self, name))
         _check_int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=0)
         for name in ("q_lora_rank", "head_dim"):
@@ -337,15 +316,7 @@ class KimiK3Config(PretrainedConfig):
                 f"KimiK3Config.num_nextn_predict_layers must be 0 (multi-token-prediction layers are not "
                 f"implemented), got {self.num_nextn_predict_layers!r}"
             )
-        for name in (
-            "mla_use_nope",
-            "mla_use_output_gate",
-            "use_full_rank_gate",
-            "moe_renormalize",
-            "use_grouped_topk",
-            "use_cache",
-            "tie_word_embeddings",
-        ):
+        for name in _BOOL_FIELDS:
             _check_bool(name, getattr(self, name))
         _check_float("rope_theta", self.rope_theta, above=0)
         _check_float("rms_norm_eps", self.rms_norm_eps, above=0)
@@ -488,6 +459,31 @@ class KimiK3Config(PretrainedConfig):
                     f"KimiK3Config.num_experts_per_token ({self.num_experts_per_token}) exceeds the experts in the "
                     f"topk_group={self.topk_group} selected groups ({self.topk_group * group_size})"
                 )
+
+
+def _complete_layer_lists(lac: dict, num_layers: int, layer_types: Any) -> dict:
+    """`linear_attn_config` with its defaults filled in: the KDA head shape, and whichever of `kda_layers` /
+    `full_attn_layers` is missing (the complement of the other; from transformers' `layer_types` when both are;
+    else Kimi-Linear's pattern). The lists are checked later, by `_validate_layers`."""
+    lac.setdefault("num_heads", 32)
+    lac.setdefault("head_dim", 128)
+    lac.setdefault("short_conv_kernel_size", 4)
+    if "full_attn_layers" not in lac and "kda_layers" not in lac and layer_types is not None:
+        lac["full_attn_layers"] = [
+            i + 1 for i, t in enumerate(_list_field("layer_types", layer_types)) if t == FULL_ATTENTION
+        ]
+    if "full_attn_layers" not in lac:
+        kda = lac.get("kda_layers")
+        lac["full_attn_layers"] = (
+            default_full_attn_layers(num_layers)
+            if not isinstance(kda, (list, tuple))
+            else [i for i in range(1, num_layers + 1) if i not in set(kda)]
+        )
+    if "kda_layers" not in lac:
+        full = lac["full_attn_layers"]
+        full = set(full) if isinstance(full, (list, tuple)) else ()
+        lac["kda_layers"] = [i for i in range(1, num_layers + 1) if i not in full]
+    return lac
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:

@@ -152,6 +152,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             x = layer(x, batch, cache)
         return self.norm(x)
 
+    # twin of KimiK3ForCausalLM.forward's signature (HF's argument names): an argument added here belongs there too
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -214,6 +215,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    # twin of KimiK3Model.forward's signature (HF's argument names): an argument added here belongs there too
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
