@@ -71,19 +71,20 @@ def test_empty_input_launches_nothing():
     assert y.shape == h.shape == x.shape
 
 
-def test_bad_arguments_raise():
-    x, ones8, ones4 = rnd(2, 8, seed=7), torch.ones(8, device=DEVICE), torch.ones(4, device=DEVICE)
-    with pytest.raises(ValueError, match="gate"):
-        gated_rms_norm_triton(x, x[:, :4], ones8, 1e-6)
-    with pytest.raises(ValueError, match="weight"):
-        gated_rms_norm_triton(x, x, ones4, 1e-6)
-    with pytest.raises(ValueError, match="x must"):
-        gated_rms_norm_triton(x.long(), x, ones8, 1e-6)
-    with pytest.raises(ValueError, match="residual"):
-        add_rms_norm_triton(x, x[:, :4], ones8, 1e-6)
-    with pytest.raises(ValueError, match="weight"):
-        add_rms_norm_triton(x, None, ones4, 1e-6)
-    with pytest.raises(ValueError, match="x must"):
-        add_rms_norm_triton(x.long(), None, ones8, 1e-6)
-    with pytest.raises(ValueError, match="weight is on meta"):
-        add_rms_norm_triton(x, None, ones8.to("meta"), 1e-6)
+# Each case calls a kernel with x [2, 8] and one bad argument; the error must name it.
+BAD_ARGUMENTS = {
+    "gated_gate_shape": (lambda x, w: gated_rms_norm_triton(x, x[:, :4], w, 1e-6), "gate"),
+    "gated_weight_shape": (lambda x, w: gated_rms_norm_triton(x, x, w[:4], 1e-6), "weight"),
+    "gated_x_dtype": (lambda x, w: gated_rms_norm_triton(x.long(), x, w, 1e-6), "x must"),
+    "add_residual_shape": (lambda x, w: add_rms_norm_triton(x, x[:, :4], w, 1e-6), "residual"),
+    "add_weight_shape": (lambda x, w: add_rms_norm_triton(x, None, w[:4], 1e-6), "weight"),
+    "add_x_dtype": (lambda x, w: add_rms_norm_triton(x.long(), None, w, 1e-6), "x must"),
+    "add_weight_device": (lambda x, w: add_rms_norm_triton(x, None, w.to("meta"), 1e-6), "weight is on meta"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_arguments_raise(case):
+    call, match = BAD_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=match):
+        call(rnd(2, 8, seed=7), torch.ones(8, device=DEVICE))
