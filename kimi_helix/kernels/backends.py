@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 PHASES = ("prefill", "decode", "verify")
 # The ops of the switch; the same names are the dispatching functions (`kernels.kda.chunk_kda`, ...).
 OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "fused_experts")
-OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul")  # the fused ops of the decode step
+OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul", "linear")  # the fused ops of the decode step
 ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
 KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
@@ -69,12 +69,14 @@ class AttentionRequest:
 
 @dataclass(frozen=True)
 class OpRequest:
-    """One call of a non-attention op. `head_dim` is the KDA head width (K = V); 0 where it does not apply."""
+    """One call of a non-attention op. `head_dim` is the KDA head width (K = V) and `rows` the rows of a `linear`
+    call; 0 where they do not apply."""
 
     op: str
     dtype: str
     device: str
     head_dim: int = 0
+    rows: int = 0
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -139,6 +141,8 @@ class OpCaps:
     dtypes: frozenset[str]
     # Triton's KDA kernels keep a [K, V] state tile in registers: K must be a power of two within bounds.
     head_dims: tuple[int, int] | None = None
+    # The skinny `linear` kernel tiles all rows of a call in one block.
+    max_rows: int | None = None
 
     def reasons(self, r: OpRequest) -> list[str]:
         out = []
@@ -150,6 +154,8 @@ class OpCaps:
             lo, hi = self.head_dims
             if not (_pow2(r.head_dim) and lo <= r.head_dim <= hi):
                 out.append(f"head_dim={r.head_dim} is not a power of two in [{lo}, {hi}]")
+        if self.max_rows is not None and r.rows > self.max_rows:
+            out.append(f"rows={r.rows} > {self.max_rows}")
         return out
 
 
@@ -170,6 +176,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     from .activation import triton as activation_triton
     from .conv import triton as conv_triton
     from .kda import chunk, fused_recurrent
+    from .linear import triton as linear_triton
     from .mla import decode, prefill, sdpa
     from .moe import triton as moe_triton
     from .norm import triton as norm_triton
@@ -190,6 +197,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "rotary": rotary_triton.CAPS,
         "moe_router": router_triton.CAPS,
         "silu_mul": activation_triton.CAPS,
+        "linear": linear_triton.CAPS,
     }
     torch_ops = {"mla_prefill": REFERENCE_PREFILL_CAPS, "mla_decode": REFERENCE_DECODE_CAPS}
     torch_ops |= {"mla_verify": REFERENCE_DECODE_CAPS} | {op: REFERENCE_OP_CAPS for op in OPS}
@@ -234,9 +242,9 @@ def select(request: AttentionRequest | OpRequest, forced: str | None = None) -> 
     return chosen
 
 
-def op_backend(op: str, x: torch.Tensor, head_dim: int = 0, forced: str | None = None) -> str:
+def op_backend(op: str, x: torch.Tensor, head_dim: int = 0, forced: str | None = None, rows: int = 0) -> str:
     """`select` for a call of `op` whose main input is `x`."""
-    return select(OpRequest(op, dtype_name(x.dtype), x.device.type, head_dim), forced)
+    return select(OpRequest(op, dtype_name(x.dtype), x.device.type, head_dim, rows), forced)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from kimi_helix.kernels.activation import silu_mul
 from kimi_helix.kernels.backends import (
     OPS,
     PHASES,
@@ -26,9 +27,13 @@ from kimi_helix.kernels.backends import (
 )
 from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
 from kimi_helix.kernels.kda import chunk_kda, fused_recurrent_kda
+from kimi_helix.kernels.linear import linear
 from kimi_helix.kernels.mla import mla_decode, mla_prefill
 from kimi_helix.kernels.moe import fused_experts
 from kimi_helix.kernels.norm import gated_rms_norm
+from kimi_helix.kernels.norm.add_rms_norm import add_rms_norm
+from kimi_helix.kernels.rotary import rotary
+from kimi_helix.kernels.router import moe_router
 
 KV_LORA, ROPE, NOPE, V_DIM = 32, 16, 32, 32  # latent 48 = 32 + 16; expanded q/k 48, v 32: Triton-tileable
 RUN_HEADS = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128}
@@ -214,6 +219,18 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
         return causal_conv1d_update(rand(2, 16), rand(2, 3, 16), rand(16, 4), backend=backend)
     if r.op == "gated_rms_norm":
         return gated_rms_norm(rand(3, 16), rand(3, 16), torch.ones(16, dtype=dt), 1e-6, backend=backend)
+    if r.op == "add_rms_norm":
+        return add_rms_norm(rand(3, 16), rand(3, 16), torch.ones(16, dtype=dt), 1e-6, backend=backend)[0]
+    if r.op == "rotary":
+        return rotary(rand(3, 2, 16), torch.tensor([0, 5, 9]), 10000.0, backend=backend)
+    if r.op == "moe_router":
+        x, w = rand(3, 16).float(), torch.randn(8, 16, generator=g)
+        return moe_router(x, w, torch.zeros(8), 2, backend=backend)[0]
+    if r.op == "silu_mul":
+        return silu_mul(rand(3, 16), rand(3, 16), backend=backend)
+    if r.op == "linear":
+        return linear(rand(r.rows, 16), [rand(24, 16), rand(8, 16)], backend=backend)
+    assert r.op == "fused_experts", r.op
     ids = torch.tensor([[0, 1], [2, 0], [1, 3]])
     weights = torch.rand(3, 2, generator=g)
     return fused_experts(rand(3, 16), rand(4, 32, 16), rand(4, 16, 16), weights, ids, backend=backend)
@@ -222,7 +239,8 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
 def op_requests(device: str):
     for op, dtype in itertools.product(OPS, OP_DTYPES):
         for head_dim in (16, 72) if "kda" in op else (0,):
-            yield OpRequest(op, dtype, device, head_dim)
+            for rows in (1, 16, 17) if op == "linear" else (0,):
+                yield OpRequest(op, dtype, device, head_dim, rows)
 
 
 def test_op_truth_table_every_choice_runs():
@@ -242,7 +260,7 @@ def test_op_truth_table_every_choice_runs():
             else:
                 assert torch.isfinite(run_op(r, name).float()).all(), (r, name)
     for r in op_requests("cuda"):
-        assert select(r) == ("torch" if r.head_dim == 72 else "triton"), r
+        assert select(r) == ("torch" if r.head_dim == 72 or r.rows > 16 else "triton"), r
 
 
 def test_op_that_triton_declines_on_cuda_falls_back_to_torch():

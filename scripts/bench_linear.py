@@ -1,0 +1,117 @@
+"""Decode-sized `linear` (1-16 rows) of the Triton kernel against the GEMM library (`F.linear`) at the projection
+shapes of a model preset, in TB/s of weight bytes.
+
+    python scripts/bench_linear.py                        # kimi-linear-48b-a3b projections, rows 1, 4, 16
+    python scripts/bench_linear.py --tiles 16x256x4x4,32x256x4x3   # BLOCK_N x BLOCK_K x warps x stages
+    python scripts/bench_linear.py --device cpu --preset tiny --rows 1   # CPU smoke run (the interpreter)
+
+Each timed call runs the projection over a ring of distinct weights larger than the L2 cache, so every weight byte
+comes from HBM as it does in a decode step, captured in a CUDA graph and replayed as the engine's decode step is;
+the time is per projection. Rows go to benchmarks/results/linear.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch.nn.functional as F  # noqa: E402
+from bench_common import JsonlWriter, bench_ms, copy_tbps, run_metadata  # noqa: E402
+
+from kimi_helix.kernels.linear.triton import Tile, linear_triton  # noqa: E402
+from kimi_helix.presets import get_preset  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "linear.jsonl"
+RING_BYTES = 256 << 20  # several times the H200's 50 MB L2
+
+
+def projections(preset: str) -> dict[str, list[tuple[int, int]]]:
+    """name -> the [N, K] weights one call multiplies (several: one launch writing them side by side)."""
+    c = get_preset(preset)
+    d, p, r = c.hidden_size, c.kda_num_heads * c.kda_head_dim, c.kda_head_dim
+    q_head = c.qk_nope_head_dim + c.qk_rope_head_dim
+    return {
+        "kda.qkv": [(p, d)] * 3,
+        "kda.q": [(p, d)],
+        "kda.o": [(d, p)],
+        "kda.f_a+g_a": [(r, d), (r, d)],
+        "kda.f_b": [(p, r)],
+        "mla.q": [(c.num_attention_heads * q_head, d)],
+        "mla.kv_a": [(c.kv_lora_rank + c.qk_rope_head_dim, d)],
+        "mla.o": [(d, c.num_attention_heads * c.v_head_dim)],
+        "shared.gate+up": [(c.moe_intermediate_size * c.num_shared_experts, d)] * 2,
+        "shared.down": [(d, c.moe_intermediate_size * c.num_shared_experts)],
+    }
+
+
+def parse_tile(text: str) -> Tile:
+    n, k, w, s = (int(v) for v in text.split("x"))
+    return Tile(block_n=n or None, block_k=k, num_warps=w, num_stages=s)
+
+
+def bench_shape(row: dict, x, weights, names, tiles, nbytes: int, device) -> list[str]:
+    """Times one projection over the ring of `weights` with the library and each tile into `row`; returns the
+    table cells (us and TB/s per implementation)."""
+    ref = torch.cat([F.linear(x, w) for w in weights[0]], -1).float()
+    graph = device.type == "cuda"  # replayed, so the time is the GPU's and not the launches' (~10-30 us each)
+    ms = bench_ms(lambda: [[F.linear(x, w) for w in ws] for ws in weights], device, graph) / len(weights)
+    row["cublas_us"] = round(ms * 1e3, 2)
+    cells = [f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}"]
+    if graph:  # the other BLAS front end torch can call: it picks its kernels by other heuristics
+        default = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        ms = bench_ms(lambda: [[F.linear(x, w) for w in ws] for ws in weights], device, graph) / len(weights)
+        torch.backends.cuda.preferred_blas_library(default)
+        row["cublaslt_us"] = round(ms * 1e3, 2)
+        cells.append(f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}")
+    for name, tile in zip(names, tiles):
+        err = (linear_triton(x, weights[0], tile).float() - ref).norm() / ref.norm()
+        ms = bench_ms(lambda t=tile: [linear_triton(x, ws, t) for ws in weights], device, graph) / len(weights)
+        row[f"triton_{name}_us"], row[f"triton_{name}_rel_err"] = round(ms * 1e3, 2), float(f"{err:.2e}")
+        cells.append(f"{ms * 1e3:.2f} | {nbytes / ms / 1e9:.2f}")
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="kimi-linear-48b-a3b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", default="1,4,16", help="comma-separated rows per call (default: 1,4,16)")
+    p.add_argument("--tiles", default="0x256x4x4", help="BLOCK_N x BLOCK_K x warps x stages, comma-separated "
+                   "(BLOCK_N 0: the kernel's own choice)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tiles = [parse_tile(t) for t in args.tiles.split(",")]
+    meta = run_metadata() | {"preset": args.preset}
+    if device.type == "cuda":
+        meta["copy_tbps"] = round(copy_tbps(device), 3)
+    print(f"{args.preset} projections, {dtype}, copy bandwidth {meta.get('copy_tbps', '-')} TB/s")
+    head = " | ".join(f"{t} us | TB/s" for t in args.tiles.split(","))
+    lt = "cuBLASLt us | TB/s | " if device.type == "cuda" else ""
+    print(f"| projection | rows | cuBLAS us | TB/s | {lt}{head} |")
+    with JsonlWriter(args.out) as out:
+        for name, shapes in projections(args.preset).items():
+            nbytes = sum(n * k for n, k in shapes) * dtype.itemsize
+            ring = max(1, min(64, RING_BYTES // nbytes)) if device.type == "cuda" else 1
+            weights = [[torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n, k in shapes] for _ in range(ring)]
+            for rows in (int(r) for r in args.rows.split(",")):
+                row = dict(meta, projection=name, rows=rows, weight_mb=round(nbytes / 1e6, 2))
+                x = torch.randn(rows, shapes[0][1], device=device, dtype=dtype)
+                cells = bench_shape(row, x, weights, args.tiles.split(","), tiles, nbytes, device)
+                out.write(row)
+                print(f"| {name} | {rows} | {' | '.join(cells)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
