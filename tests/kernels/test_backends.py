@@ -30,8 +30,7 @@ from kimi_helix.kernels.kda import chunk_kda, fused_recurrent_kda
 from kimi_helix.kernels.linear import linear
 from kimi_helix.kernels.mla import mla_decode, mla_prefill
 from kimi_helix.kernels.moe import fused_experts
-from kimi_helix.kernels.norm import gated_rms_norm
-from kimi_helix.kernels.norm.add_rms_norm import add_rms_norm
+from kimi_helix.kernels.norm import add_rms_norm, gated_rms_norm
 from kimi_helix.kernels.rotary import rotary
 from kimi_helix.kernels.router import moe_router
 
