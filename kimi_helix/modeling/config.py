@@ -159,12 +159,7 @@ class KimiK3Config(PretrainedConfig):
         if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
             raise ConfigError(f"KimiK3Config.linear_attn_config must be an object, got {linear_attn_config!r}")
         lac = self._fold_transformers_fields(dict(linear_attn_config or {}), kwargs)
-        layer_types, mlp_layer_types = kwargs.pop("layer_types", None), kwargs.pop("mlp_layer_types", None)
-        qk_head_dim = kwargs.pop("qk_head_dim", None)  # transformers writes nope + rope; checked below
-        unknown = sorted(k for k in kwargs if k not in _METADATA)
-        if unknown:
-            logger.warning(f"KimiK3Config: fields {unknown} are not Kimi-K3 or Kimi-Linear fields; they have no effect")
-        kwargs.pop("auto_map", None)
+        layer_types, mlp_layer_types, qk_head_dim = _pop_derived_fields(kwargs)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -215,12 +210,7 @@ class KimiK3Config(PretrainedConfig):
             **kwargs,
         )
         self.validate_fields()
-        self._check_layer_types(layer_types)
-        if qk_head_dim is not None and qk_head_dim != self.qk_head_dim:
-            raise ConfigError(
-                f"KimiK3Config.qk_head_dim ({qk_head_dim!r}) must equal qk_nope_head_dim + qk_rope_head_dim "
-                f"({self.qk_head_dim})"
-            )
+        self._check_derived_fields(layer_types, qk_head_dim)
 
     @staticmethod
     def _fold_transformers_fields(lac: dict, kwargs: dict) -> dict:
@@ -367,8 +357,14 @@ class KimiK3Config(PretrainedConfig):
                 f"(num_hidden_layers={n}, 1-based)"
             )
 
-    def _check_layer_types(self, layer_types: Any) -> None:
-        """transformers' `layer_types` (0-based) must describe the same layers as `linear_attn_config`."""
+    def _check_derived_fields(self, layer_types: Any, qk_head_dim: Any) -> None:
+        """transformers' `layer_types` (0-based) must describe the same layers as `linear_attn_config`, and its
+        `qk_head_dim` must be nope + rope."""
+        if qk_head_dim is not None and qk_head_dim != self.qk_head_dim:
+            raise ConfigError(
+                f"KimiK3Config.qk_head_dim ({qk_head_dim!r}) must equal qk_nope_head_dim + qk_rope_head_dim "
+                f"({self.qk_head_dim})"
+            )
         if layer_types is None:
             return
         layer_types = _list_field("layer_types", layer_types)
@@ -459,6 +455,17 @@ class KimiK3Config(PretrainedConfig):
                     f"KimiK3Config.num_experts_per_token ({self.num_experts_per_token}) exceeds the experts in the "
                     f"topk_group={self.topk_group} selected groups ({self.topk_group * group_size})"
                 )
+
+
+def _pop_derived_fields(kwargs: dict) -> tuple[Any, Any, Any]:
+    """Pop the fields transformers writes that follow from others (`layer_types`, `mlp_layer_types`, `qk_head_dim`:
+    checked against them once the config is built) and `auto_map`; warn about any field no config of ours has."""
+    derived = tuple(kwargs.pop(name, None) for name in ("layer_types", "mlp_layer_types", "qk_head_dim"))
+    unknown = sorted(k for k in kwargs if k not in _METADATA)
+    if unknown:
+        logger.warning(f"KimiK3Config: fields {unknown} are not Kimi-K3 or Kimi-Linear fields; they have no effect")
+    kwargs.pop("auto_map", None)
+    return derived
 
 
 def _complete_layer_lists(lac: dict, num_layers: int, layer_types: Any) -> dict:
