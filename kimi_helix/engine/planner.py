@@ -165,19 +165,9 @@ def plan_memory(
         gpu_memory_bytes = parse_bytes(gpu_memory_bytes)
     except ValueError as err:
         raise ValueError(f"gpu_memory_bytes: {err}") from None
-    for name, value in (
-        ("tp", tp),
-        ("cp", cp),
-        ("page_size", page_size),
-        ("max_num_seqs", max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if max_model_len is None:
-        max_model_len = config.model_max_length
-    if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
+    max_model_len = config.model_max_length if max_model_len is None else max_model_len
+    counts = {"tp": tp, "cp": cp, "page_size": page_size, "max_model_len": max_model_len}
+    _check_plan_args(config, counts | {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens})
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
@@ -185,11 +175,6 @@ def plan_memory(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     world = tp * cp
-    heads = config.kda_num_heads
-    if n_kda_layers(config) and heads % world:
-        raise ValueError(
-            f"tp * cp = {tp} * {cp} = {world} must divide the {heads} KDA heads (KDA layers run TP over tp * cp)"
-        )
     dtype_bytes = dtype.itemsize
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
 
@@ -249,6 +234,18 @@ def plan_memory(
         max_concurrent_tokens=max_tokens,
         max_concurrent_sequences=max_seqs,
     )
+
+
+def _check_plan_args(config: KimiK3Config, counts: dict[str, int]) -> None:
+    """Each of `counts` (tp, cp, page_size, ...) an int >= 1, and tp * cp dividing the KDA heads."""
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    tp, cp, heads = counts["tp"], counts["cp"], config.kda_num_heads
+    if n_kda_layers(config) and heads % (tp * cp):
+        raise ValueError(
+            f"tp * cp = {tp} * {cp} = {tp * cp} must divide the {heads} KDA heads (KDA layers run TP over tp * cp)"
+        )
 
 
 def cache_bytes_per_token(config: KimiK3Config, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:

@@ -179,7 +179,6 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     from .linear import triton as linear_triton
     from .mla import decode, prefill, sdpa
     from .moe import triton as moe_triton
-    from .norm import add_rms_norm_triton
     from .norm import triton as norm_triton
     from .rotary import triton as rotary_triton
     from .router import triton as router_triton
@@ -194,7 +193,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "causal_conv1d_update": conv_triton.CAPS,
         "gated_rms_norm": norm_triton.CAPS,
         "fused_experts": moe_triton.CAPS,
-        "add_rms_norm": add_rms_norm_triton.CAPS,
+        "add_rms_norm": norm_triton.CAPS,
         "rotary": rotary_triton.CAPS,
         "moe_router": router_triton.CAPS,
         "silu_mul": activation_triton.CAPS,

@@ -135,11 +135,11 @@ def memory_to_disk(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def expected_disk_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every tensor a complete checkpoint of `model` holds on disk, with its shape (tied lm_head excluded)."""
-    metas = {name: torch.empty(p.shape, device="meta") for name, p in _own_params(model).items()}
+    metas = {name: torch.empty(p.shape, device="meta") for name, p in stored_params(model).items()}
     return {k: tuple(v.shape) for k, v in memory_to_disk(metas).items()}
 
 
-def _own_params(model: nn.Module) -> dict[str, nn.Parameter]:
+def stored_params(model: nn.Module) -> dict[str, nn.Parameter]:
     """Named parameters that a checkpoint stores: a tied lm_head is the embedding, so it is left out."""
     params = dict(model.named_parameters(remove_duplicate=True))
     if model.config.tie_word_embeddings:
@@ -157,7 +157,8 @@ def _base_prefix(model: nn.Module) -> str:
 
 
 # ---------------------------------------------------------------- the folder's files
-def _resolve_dir(path: str | os.PathLike) -> Path:
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """`path` as a `Path` if it is a local directory; else `CheckpointError` (nothing is ever downloaded)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(
@@ -202,7 +203,9 @@ def _index_shards(path: Path) -> list[Path]:
     return [_regular_file(path / shard, "shard") for shard in sorted(shards)]
 
 
-def _shard_files(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of checkpoint folder `path`, in load order: the shards its index names (each checked
+    to be a regular file inside the folder), else `model.safetensors`. Pickle formats raise `CheckpointError`."""
     if (path / INDEX_FILE).exists():
         return _index_shards(path)
     if (path / SINGLE_FILE).exists():
@@ -238,7 +241,9 @@ def read_config(path: Path) -> KimiK3Config:
         raise ConfigError(f"{str(config_file)!r}: {err}") from err
 
 
-def _resolve_dtype(dtype, files: list[Path], config: KimiK3Config) -> torch.dtype:
+def resolve_dtype(dtype, files: list[Path], config: KimiK3Config) -> torch.dtype:
+    """The parameter dtype of a load: `dtype` itself (a torch dtype or its name), or for None / "auto" the config's
+    saved `dtype`, else the first tensor's dtype in `files[0]`."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -269,7 +274,7 @@ def _open(file: Path):
 
 
 # ---------------------------------------------------------------- loading
-def _materialize(model: nn.Module, dtype: torch.dtype, devices, keep_fp32: list[str]) -> None:
+def materialize(model: nn.Module, dtype: torch.dtype, devices, keep_fp32: list[str]) -> None:
     """Replace meta parameters by uninitialised storage of the target dtype (fp32 for `keep_fp32` names) on the
     device `devices(name)` gives."""
     for module_name, module in model.named_modules():
@@ -303,18 +308,18 @@ def load_pretrained(
         kwargs.pop(name, None)
     if kwargs:
         raise TypeError(f"{cls.__name__}.from_pretrained got unsupported arguments: {sorted(kwargs)}")
-    path = _resolve_dir(Path(path) / subfolder)
+    path = checkpoint_dir(Path(path) / subfolder)
     if not isinstance(config, KimiK3Config):
         config = read_config(path)  # also when given transformers' own KimiLinearConfig
-    files = _shard_files(path)
-    dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, files, config)
+    files = shard_files(path)
+    dtype = resolve_dtype(dtype if dtype is not None else torch_dtype, files, config)
 
     with torch.device("meta"):
         model = cls(config)
     devices, device_map = param_devices(model, device, device_map, dtype, max_memory)
-    _materialize(model, dtype, devices, cls._keep_in_fp32_modules_strict)
+    materialize(model, dtype, devices, cls._keep_in_fp32_modules_strict)
     prefix = _base_prefix(model)
-    params = {prefix + k: v for k, v in _own_params(model).items()}
+    params = {prefix + k: v for k, v in stored_params(model).items()}
     expected = {prefix + k: v for k, v in expected_disk_shapes(model).items()}
     seen = _load_shards(files, params, check_finite, progress_bar)
     missing = sorted(set(expected) - set(seen))
@@ -359,7 +364,7 @@ def _load_shards(files, params, check_finite: bool, progress_bar: bool | None) -
                         raise CheckpointError(
                             f"unexpected tensor {disk_key!r} in {where}: the model has no such tensor"
                         )
-                    canonical = _canonical(key)
+                    canonical = canonical_name(key)
                     if canonical in seen:
                         raise CheckpointError(f"tensor {disk_key!r} appears twice: in {seen[canonical]} and in {where}")
                     seen[canonical] = where
@@ -403,7 +408,8 @@ def _copy_tensor(f, key: str, dest: torch.Tensor, where: str) -> None:
         raise CheckpointError(f"tensor {key!r} in {where} cannot be read: {err}") from err
 
 
-def _canonical(key: str) -> str:
+def canonical_name(key: str) -> str:
+    """One name per tensor: transformers' `block_sparse_moe.{gate,up,down}_proj` alias of a dense MLP -> `mlp.`."""
     m = _DENSE_ALIAS.match(key)
     return f"{m.group(1)}.mlp.{m.group(2)}.weight" if m else key
 
@@ -439,7 +445,7 @@ def save_pretrained(
     model.config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)
-    state = memory_to_disk({k: v.detach().cpu() for k, v in _own_params(model).items()})
+    state = memory_to_disk({k: v.detach().cpu() for k, v in stored_params(model).items()})
     # is_main_process=False: huggingface_hub then deletes nothing itself; the loop above removed our own files.
     save_torch_state_dict(
         state, out, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size, is_main_process=False

@@ -43,6 +43,14 @@ _METADATA = frozenset(PretrainedConfig.__dataclass_fields__) | {
     "auto_map",
 }
 
+# The fields `validate_fields` checks by type alone (the others have their own rules there).
+_POSITIVE_INT_FIELDS = (
+    *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
+    *("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size", "model_max_length"),
+)
+_BOOL_FIELDS = ("mla_use_nope", "mla_use_output_gate", "use_full_rank_gate", "moe_renormalize", "use_grouped_topk")
+_BOOL_FIELDS += ("use_cache", "tie_word_embeddings")
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the field and what is allowed."""
@@ -144,15 +152,14 @@ class KimiK3Config(PretrainedConfig):
         pad_token_id: int | None = 163839,
         **kwargs: Any,
     ):
+        if rope_scaling is not None:
+            raise ConfigError(
+                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
+            )
         if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
             raise ConfigError(f"KimiK3Config.linear_attn_config must be an object, got {linear_attn_config!r}")
         lac = self._fold_transformers_fields(dict(linear_attn_config or {}), kwargs)
-        layer_types, mlp_layer_types = kwargs.pop("layer_types", None), kwargs.pop("mlp_layer_types", None)
-        qk_head_dim = kwargs.pop("qk_head_dim", None)  # transformers writes nope + rope; checked below
-        unknown = sorted(k for k in kwargs if k not in _METADATA)
-        if unknown:
-            logger.warning(f"KimiK3Config: fields {unknown} are not Kimi-K3 or Kimi-Linear fields; they have no effect")
-        kwargs.pop("auto_map", None)
+        layer_types, mlp_layer_types, qk_head_dim = _pop_derived_fields(kwargs)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -189,25 +196,7 @@ class KimiK3Config(PretrainedConfig):
         self.initializer_range = initializer_range
         self.use_cache = use_cache
 
-        lac.setdefault("num_heads", 32)
-        lac.setdefault("head_dim", 128)
-        lac.setdefault("short_conv_kernel_size", 4)
-        if "full_attn_layers" not in lac and "kda_layers" not in lac and layer_types is not None:
-            lac["full_attn_layers"] = [
-                i + 1 for i, t in enumerate(_list_field("layer_types", layer_types)) if t == FULL_ATTENTION
-            ]
-        if "full_attn_layers" not in lac:
-            full = lac.get("kda_layers")
-            lac["full_attn_layers"] = (
-                default_full_attn_layers(num_hidden_layers)
-                if not isinstance(full, (list, tuple))
-                else [i for i in range(1, num_hidden_layers + 1) if i not in set(full)]
-            )
-        if "kda_layers" not in lac:
-            full = lac["full_attn_layers"]
-            full = set(full) if isinstance(full, (list, tuple)) else ()
-            lac["kda_layers"] = [i for i in range(1, num_hidden_layers + 1) if i not in full]
-        self.linear_attn_config = lac
+        self.linear_attn_config = _complete_layer_lists(lac, num_hidden_layers, layer_types)
         _check_int("num_hidden_layers", self.num_hidden_layers)
         _check_int("num_experts", self.num_experts, minimum=0)
         self._validate_layers()  # before PretrainedConfig's own validators read `layer_types`
@@ -220,17 +209,8 @@ class KimiK3Config(PretrainedConfig):
             pad_token_id=pad_token_id,
             **kwargs,
         )
-        if rope_scaling is not None:
-            raise ConfigError(
-                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
-            )
         self.validate_fields()
-        self._check_layer_types(layer_types)
-        if qk_head_dim is not None and qk_head_dim != self.qk_head_dim:
-            raise ConfigError(
-                f"KimiK3Config.qk_head_dim ({qk_head_dim!r}) must equal qk_nope_head_dim + qk_rope_head_dim "
-                f"({self.qk_head_dim})"
-            )
+        self._check_derived_fields(layer_types, qk_head_dim)
 
     @staticmethod
     def _fold_transformers_fields(lac: dict, kwargs: dict) -> dict:
@@ -315,18 +295,7 @@ class KimiK3Config(PretrainedConfig):
     # ---------------------------------------------------------------- validation
     def validate_fields(self) -> None:
         """Raise `ConfigError` naming the first field whose value has the wrong type or cannot work."""
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "v_head_dim",
-            "intermediate_size",
-            "model_max_length",
-        ):
+        for name in _POSITIVE_INT_FIELDS:
             _check_int(name, getattr(self, name))
         _check_int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=0)
         for name in ("q_lora_rank", "head_dim"):
@@ -337,15 +306,7 @@ class KimiK3Config(PretrainedConfig):
                 f"KimiK3Config.num_nextn_predict_layers must be 0 (multi-token-prediction layers are not "
                 f"implemented), got {self.num_nextn_predict_layers!r}"
             )
-        for name in (
-            "mla_use_nope",
-            "mla_use_output_gate",
-            "use_full_rank_gate",
-            "moe_renormalize",
-            "use_grouped_topk",
-            "use_cache",
-            "tie_word_embeddings",
-        ):
+        for name in _BOOL_FIELDS:
             _check_bool(name, getattr(self, name))
         _check_float("rope_theta", self.rope_theta, above=0)
         _check_float("rms_norm_eps", self.rms_norm_eps, above=0)
@@ -396,8 +357,14 @@ class KimiK3Config(PretrainedConfig):
                 f"(num_hidden_layers={n}, 1-based)"
             )
 
-    def _check_layer_types(self, layer_types: Any) -> None:
-        """transformers' `layer_types` (0-based) must describe the same layers as `linear_attn_config`."""
+    def _check_derived_fields(self, layer_types: Any, qk_head_dim: Any) -> None:
+        """transformers' `layer_types` (0-based) must describe the same layers as `linear_attn_config`, and its
+        `qk_head_dim` must be nope + rope."""
+        if qk_head_dim is not None and qk_head_dim != self.qk_head_dim:
+            raise ConfigError(
+                f"KimiK3Config.qk_head_dim ({qk_head_dim!r}) must equal qk_nope_head_dim + qk_rope_head_dim "
+                f"({self.qk_head_dim})"
+            )
         if layer_types is None:
             return
         layer_types = _list_field("layer_types", layer_types)
@@ -488,6 +455,42 @@ class KimiK3Config(PretrainedConfig):
                     f"KimiK3Config.num_experts_per_token ({self.num_experts_per_token}) exceeds the experts in the "
                     f"topk_group={self.topk_group} selected groups ({self.topk_group * group_size})"
                 )
+
+
+def _pop_derived_fields(kwargs: dict) -> tuple[Any, Any, Any]:
+    """Pop the fields transformers writes that follow from others (`layer_types`, `mlp_layer_types`, `qk_head_dim`:
+    checked against them once the config is built) and `auto_map`; warn about any field no config of ours has."""
+    derived = tuple(kwargs.pop(name, None) for name in ("layer_types", "mlp_layer_types", "qk_head_dim"))
+    unknown = sorted(k for k in kwargs if k not in _METADATA)
+    if unknown:
+        logger.warning(f"KimiK3Config: fields {unknown} are not Kimi-K3 or Kimi-Linear fields; they have no effect")
+    kwargs.pop("auto_map", None)
+    return derived
+
+
+def _complete_layer_lists(lac: dict, num_layers: int, layer_types: Any) -> dict:
+    """`linear_attn_config` with its defaults filled in: the KDA head shape, and whichever of `kda_layers` /
+    `full_attn_layers` is missing (the complement of the other; from transformers' `layer_types` when both are;
+    else Kimi-Linear's pattern). The lists are checked later, by `_validate_layers`."""
+    lac.setdefault("num_heads", 32)
+    lac.setdefault("head_dim", 128)
+    lac.setdefault("short_conv_kernel_size", 4)
+    if "full_attn_layers" not in lac and "kda_layers" not in lac and layer_types is not None:
+        lac["full_attn_layers"] = [
+            i + 1 for i, t in enumerate(_list_field("layer_types", layer_types)) if t == FULL_ATTENTION
+        ]
+    if "full_attn_layers" not in lac:
+        kda = lac.get("kda_layers")
+        lac["full_attn_layers"] = (
+            default_full_attn_layers(num_layers)
+            if not isinstance(kda, (list, tuple))
+            else [i for i in range(1, num_layers + 1) if i not in set(kda)]
+        )
+    if "kda_layers" not in lac:
+        full = lac["full_attn_layers"]
+        full = set(full) if isinstance(full, (list, tuple)) else ()
+        lac["kda_layers"] = [i for i in range(1, num_layers + 1) if i not in full]
+    return lac
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> None:

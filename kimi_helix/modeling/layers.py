@@ -8,8 +8,7 @@ from torch import nn
 from ..kernels.activation import silu_mul
 from ..kernels.backends import BackendChoice
 from ..kernels.linear import linear
-from ..kernels.norm import gated_rms_norm
-from ..kernels.norm.add_rms_norm import add_rms_norm
+from ..kernels.norm import add_rms_norm, gated_rms_norm
 from ..kernels.rotary import rotary
 
 

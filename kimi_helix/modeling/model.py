@@ -33,8 +33,8 @@ class KimiK3DecoderLayer(nn.Module):
 
     def __init__(self, config: KimiK3Config, layer_idx: int):
         super().__init__()
-        self.is_mla = config.is_mla_layer(layer_idx)
-        self.self_attn = MLAttention(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
+        mla = config.is_mla_layer(layer_idx)
+        self.self_attn = MLAttention(config, layer_idx) if mla else KimiDeltaAttention(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Checkpoint names: `block_sparse_moe` for MoE layers, `mlp` for the dense ones.
@@ -152,6 +152,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             x = layer(x, batch, cache)
         return self.norm(x)
 
+    # twin of KimiK3ForCausalLM.forward's signature (HF's argument names): an argument added here belongs there too
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -214,6 +215,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    # twin of KimiK3Model.forward's signature (HF's argument names): an argument added here belongs there too
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +97,7 @@ def shard_of(name: str, mapping: Mapping, is_mla_layer: list[bool]) -> Shard | N
 
 def shard_plan(model: nn.Module, mapping: Mapping) -> dict[str, Shard | None]:
     """`shard_of` for every parameter of `model` (a full-size `KimiK3ForCausalLM`)."""
-    mla = [t == "full_attention" for t in model.config.layer_types]
+    mla = [model.config.is_mla_layer(i) for i in range(model.config.num_hidden_layers)]
     return {name: shard_of(name, mapping, mla) for name, _ in model.named_parameters(remove_duplicate=False)}
 
 
@@ -147,24 +146,25 @@ def load_sharded(path, mapping: Mapping, *, dtype=None, device="cpu", cls=None):
     from ..modeling.model import KimiK3ForCausalLM
 
     cls = cls or KimiK3ForCausalLM
-    path = ckpt._resolve_dir(Path(path))
+    path = ckpt.checkpoint_dir(path)
     config = ckpt.read_config(path)
     mapping.validate(config)
-    dtype = ckpt._resolve_dtype(dtype, ckpt._shard_files(path), config)
+    files = ckpt.shard_files(path)
+    dtype = ckpt.resolve_dtype(dtype, files, config)
     with torch.device("meta"):
         model = cls(config)
-    full = dict(ckpt._own_params(model))
+    full = dict(ckpt.stored_params(model))
     expected = ckpt.expected_disk_shapes(model)
     plan = shard_plan(model, mapping)
     with torch.device("meta"):
         for name, shard in plan.items():
             if shard is not None:
                 _set_param(model, name, nn.Parameter(torch.empty(shard.shape(full[name].shape)), requires_grad=False))
-    ckpt._materialize(model, dtype, lambda name: torch.device(device), cls._keep_in_fp32_modules_strict)
-    local = dict(ckpt._own_params(model))
+    ckpt.materialize(model, dtype, lambda name: torch.device(device), cls._keep_in_fp32_modules_strict)
+    local = dict(ckpt.stored_params(model))
     seen: set[str] = set()
     with torch.no_grad():
-        for file in ckpt._shard_files(path):
+        for file in files:
             with safe_open(file, "pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                     target = ckpt.disk_to_memory(key, full)
@@ -172,7 +172,7 @@ def load_sharded(path, mapping: Mapping, *, dtype=None, device="cpu", cls=None):
                         if key == "lm_head.weight" and config.tie_word_embeddings:
                             continue
                         raise ckpt.CheckpointError(f"unexpected tensor {key!r} in {file.name}")
-                    seen.add(ckpt._canonical(key))
+                    seen.add(ckpt.canonical_name(key))
                     _load_one(f.get_slice(key), key, target, plan[target.param], full, local)
     missing = sorted(set(expected) - seen)
     if missing:

@@ -1,4 +1,5 @@
-"""Triton gated RMSNorm: ``rmsnorm(x) * weight * sigmoid(gate)``, one row per program, fp32 maths."""
+"""Triton norms, one program per row with fp32 maths: the gated RMSNorm ``rmsnorm(x) * weight * sigmoid(gate)``
+and add + RMSNorm (writes the sum and the normalised row in one pass)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import triton
 import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
-from kimi_helix.kernels.device import interpreting, triton_devices
+from kimi_helix.kernels.common import check_device, check_triton_device
+from kimi_helix.kernels.device import triton_devices
 from kimi_helix.kernels.launch import next_pow2
 
-__all__ = ["CAPS", "gated_rms_norm_triton"]
+__all__ = ["CAPS", "add_rms_norm_triton", "gated_rms_norm_triton"]
 
-# What the kernel serves, read by the backend switch.
+# What both kernels serve, read by the backend switch.
 CAPS = OpCaps(triton_devices(), FLOATS)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,50 +33,116 @@ def gated_rms_norm_fwd_kernel(x, gate, weight, y, stride_x, stride_g, D, eps, BD
     tl.store(y + row * D + o_d, (b_w * b_x * b_r * tl.sigmoid(b_g)).to(y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def add_rms_norm_fwd_kernel(
+    x, residual, weight, y, h, stride_x, stride_r, D, eps, HAS_RESIDUAL: tl.constexpr, BD: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    mask = o_d < D
+    b_h = tl.load(x + row * stride_x + o_d, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # rounded to x's dtype before the norm, as the torch add it replaces
+        b_h = (b_h.to(tl.float32) + tl.load(residual + row * stride_r + o_d, mask=mask, other=0.0).to(tl.float32)).to(
+            b_h.dtype
+        )
+        tl.store(h + row * D + o_d, b_h, mask=mask)
+    b_f = b_h.to(tl.float32)
+    # padded lanes load 0, so the sum is over the D real channels only
+    b_r = 1.0 / tl.sqrt(tl.sum(b_f * b_f) / D + eps)
+    b_n = (b_f * b_r).to(b_h.dtype).to(tl.float32)
+    b_w = tl.load(weight + o_d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y + row * D + o_d, (b_w * b_n).to(y.dtype.element_ty), mask=mask)
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, **others: torch.Tensor | None) -> int:
+    """The checks both kernels share: x a [..., D] float tensor on a Triton device, weight [D] and every other
+    tensor given on x's device. Returns D."""
+    if x.dim() < 1 or x.shape[-1] < 1 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be a [..., D] fp32/fp16/bf16 tensor, got {x.dtype} {list(x.shape)}")
+    D = x.shape[-1]
+    if weight.shape != (D,) or not weight.is_floating_point():
+        raise ValueError(f"weight must be a float tensor of shape [D]=[{D}], got {weight.dtype} {list(weight.shape)}")
+    for name, t in (*others.items(), ("weight", weight)):
+        if t is not None:
+            check_device(name, t, x.device, ref="x")
+    check_triton_device("x", x)
+    return D
+
+
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
-    """``[..., D]`` -> ``[rows, D]`` with unit stride along D (a view when the layout allows)."""
+    """[..., D] -> [rows, D] with unit stride along D (a view when the layout allows)."""
     t = t.reshape(-1, D)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _row_block(D: int) -> dict[str, int]:
+    """The launch options of a one-row-per-program kernel: the padded row width and warps to cover it."""
+    bd = next_pow2(D)
+    return {"BD": bd, "num_warps": min(max(bd // 256, 1), 8)}
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Triton form of :func:`kimi_helix.kernels.norm.naive.gated_rms_norm_ref`.
 
     Args:
-        x: ``[..., D]`` fp32/fp16/bf16.
-        gate: ``[..., D]``, same shape as x (any float dtype).
-        weight: ``[D]``.
+        x: [..., D] fp32/fp16/bf16; rows may be strided.
+        gate: [..., D], same shape as x (any float dtype).
+        weight: [D].
         eps: added to the mean square inside the rsqrt.
 
     Returns:
-        ``[..., D]`` in x.dtype (contiguous).
+        [..., D] in x.dtype (contiguous).
     """
-    if x.dim() < 1 or x.shape[-1] < 1 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be a [..., D] fp32/fp16/bf16 tensor, got {x.dtype} {list(x.shape)}")
-    D = x.shape[-1]
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {list(x.shape)}, got {list(gate.shape)}")
-    if weight.shape != (D,):
-        raise ValueError(f"weight must have shape [D]=[{D}], got {list(weight.shape)}")
-    for name, t in (("gate", gate), ("weight", weight)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    if x.device.type != "cuda" and not interpreting():
-        raise ValueError(f"x is on {x.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    D = _check_rows(x, weight, gate=gate)
     x2, g2 = _rows(x, D), _rows(gate, D)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0:
-        bd = next_pow2(D)
         gated_rms_norm_fwd_kernel[(x2.shape[0],)](
-            x2,
-            g2,
-            weight.contiguous(),
-            y,
-            x2.stride(0),
-            g2.stride(0),
-            D,
-            eps,
-            BD=bd,
-            num_warps=min(max(bd // 256, 1), 8),
+            x2, g2, weight.contiguous(), y, x2.stride(0), g2.stride(0), D, eps, **_row_block(D)
         )
     return y
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton form of :func:`kimi_helix.kernels.norm.naive.add_rms_norm_ref` (same arguments and results).
+
+    Args:
+        x: [..., D] fp32/fp16/bf16; rows may be strided (a slice of a wider projection).
+        residual: [..., D] in x.dtype, or None.
+        weight: [D] any float dtype.
+        eps: added to the mean square inside the rsqrt.
+
+    Returns:
+        (y [..., D] contiguous in the promoted dtype of weight and x, h [..., D]: x + residual, contiguous; x itself
+        when residual is None).
+    """
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"residual must have x's shape {list(x.shape)} and dtype {x.dtype}, got {list(residual.shape)} "
+            f"{residual.dtype}"
+        )
+    D = _check_rows(x, weight, residual=residual)
+    x2 = _rows(x, D)
+    r2 = _rows(residual, D) if residual is not None else x2
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x
+    if x2.shape[0] > 0:
+        add_rms_norm_fwd_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            weight.contiguous(),
+            y,
+            h,
+            x2.stride(0),
+            r2.stride(0),
+            D,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            **_row_block(D),
+        )
+    return y, h

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimi_helix.kernels.norm import gated_rms_norm_ref, gated_rms_norm_triton
+from kimi_helix.kernels.norm import add_rms_norm_ref, add_rms_norm_triton, gated_rms_norm_ref, gated_rms_norm_triton
 from kimi_helix.modeling.layers import GatedRMSNorm
 
 from ..conftest import DEVICE, TOL, assert_rel_close, rnd
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("nan_empty")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("D", [32, 48], ids=["D32", "D48"])
-def test_triton_matches_reference(dtype, D):
+def test_gated_matches_reference(dtype, D):
     x, gate = rnd(5, 3, D, seed=1, dtype=dtype) * 3.0, rnd(5, 3, D, seed=2, dtype=dtype)
     weight = rnd(D, seed=3)
     y = gated_rms_norm_triton(x, gate, weight, 1e-6)
@@ -27,7 +27,7 @@ def test_triton_matches_reference(dtype, D):
     assert_rel_close("y", y, ref, TOL[dtype])
 
 
-def test_strided_rows_and_large_eps():
+def test_gated_strided_rows_and_large_eps():
     """Rows read with a stride (x and gate sliced from wider tensors); eps large enough to matter."""
     wide_x, wide_g = rnd(6, 64, seed=4), rnd(6, 80, seed=5).half()
     x, gate, weight = wide_x[:, :32], wide_g[:, 16:48], rnd(32, seed=6)
@@ -35,11 +35,56 @@ def test_strided_rows_and_large_eps():
     assert_rel_close("y", y, gated_rms_norm_ref(x, gate, weight, 0.5), 1e-5)
 
 
-def test_bad_arguments_raise():
-    x = rnd(2, 8, seed=7)
-    with pytest.raises(ValueError, match="gate"):
-        gated_rms_norm_triton(x, x[:, :4], torch.ones(8, device=DEVICE), 1e-6)
-    with pytest.raises(ValueError, match="weight"):
-        gated_rms_norm_triton(x, x, torch.ones(4, device=DEVICE), 1e-6)
-    with pytest.raises(ValueError, match="x must"):
-        gated_rms_norm_triton(x.long(), x, torch.ones(8, device=DEVICE), 1e-6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("D", [64, 40], ids=["D64", "D40"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "norm_only"])
+def test_add_matches_reference(dtype, D, with_residual):
+    x = rnd(5, 3, D, seed=4, dtype=dtype) * 3.0
+    res = rnd(5, 3, D, seed=5, dtype=dtype) if with_residual else None
+    w = rnd(D, seed=6, dtype=dtype)
+    y, h = add_rms_norm_triton(x, res, w, 1e-6)
+    ref_y, ref_h = add_rms_norm_ref(x, res, w, 1e-6)
+    assert y.dtype == ref_y.dtype and h.dtype == dtype
+    assert_rel_close("y", y, ref_y, TOL[dtype])
+    if with_residual:
+        assert_rel_close("h", h, ref_h, TOL[dtype])
+    else:
+        assert h is x
+
+
+def test_add_strided_rows_and_mixed_weight_dtype():
+    """x sliced from a wider projection (as MLA's kv_a_layernorm reads it), fp32 weight over fp16 rows: the output
+    takes the promoted dtype, as the torch expression does."""
+    wide = rnd(6, 80, seed=7).half()
+    x, w = wide[:, :64], rnd(64, seed=8)
+    y, _ = add_rms_norm_triton(x, None, w, 0.5)
+    ref, _ = add_rms_norm_ref(x, None, w, 0.5)
+    assert y.dtype == torch.float32
+    assert_rel_close("y", y, ref, TOL[torch.float16])
+
+
+def test_empty_input_launches_nothing():
+    x = torch.empty(0, 3, 16, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    assert gated_rms_norm_triton(x, x, w, 1e-6).shape == x.shape
+    y, h = add_rms_norm_triton(x, x, w, 1e-6)
+    assert y.shape == h.shape == x.shape
+
+
+# Each case calls a kernel with x [2, 8] and one bad argument; the error must name it.
+BAD_ARGUMENTS = {
+    "gated_gate_shape": (lambda x, w: gated_rms_norm_triton(x, x[:, :4], w, 1e-6), "gate"),
+    "gated_weight_shape": (lambda x, w: gated_rms_norm_triton(x, x, w[:4], 1e-6), "weight"),
+    "gated_x_dtype": (lambda x, w: gated_rms_norm_triton(x.long(), x, w, 1e-6), "x must"),
+    "add_residual_shape": (lambda x, w: add_rms_norm_triton(x, x[:, :4], w, 1e-6), "residual"),
+    "add_weight_shape": (lambda x, w: add_rms_norm_triton(x, None, w[:4], 1e-6), "weight"),
+    "add_x_dtype": (lambda x, w: add_rms_norm_triton(x.long(), None, w, 1e-6), "x must"),
+    "add_weight_device": (lambda x, w: add_rms_norm_triton(x, None, w.to("meta"), 1e-6), "weight is on meta"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_arguments_raise(case):
+    call, match = BAD_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=match):
+        call(rnd(2, 8, seed=7), torch.ones(8, device=DEVICE))

@@ -1,4 +1,4 @@
-"""SwiGLU activation: the Triton kernel against the torch reference, and the module using it."""
+"""ACTIVATION: the Triton kernel against the torch reference, on the CPU interpreter or a GPU."""
 
 from __future__ import annotations
 
