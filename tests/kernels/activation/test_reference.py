@@ -8,7 +8,7 @@ from kimi_helix.kernels.activation import silu_mul_ref
 from kimi_helix.kernels.backends import BackendChoice
 from kimi_helix.modeling.layers import SwiGLU
 
-from ..conftest import DEVICE, rnd
+from ..conftest import DEVICE, assert_rel_close, rnd
 
 
 def test_reference_is_silu_times_up_in_the_inputs_dtype():
@@ -26,4 +26,6 @@ def test_swiglu_is_down_of_the_activation():
     x = rnd(4, 16, seed=3)
     with torch.no_grad():
         expect = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-        assert torch.equal(mlp(x), expect)
+        # gate and up come from one launch as views of its output: torch's CPU silu on strided views may differ
+        # from the contiguous one in the last bit
+        assert_rel_close("swiglu", mlp(x), expect, 1e-6)
