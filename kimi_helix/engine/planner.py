@@ -167,13 +167,8 @@ def plan_memory(
         raise ValueError(f"gpu_memory_bytes: {err}") from None
     max_model_len = config.model_max_length if max_model_len is None else max_model_len
     counts = {"tp": tp, "cp": cp, "page_size": page_size, "max_model_len": max_model_len}
-    _check_plan_args(config, counts | {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens})
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    counts |= {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+    _check_plan_args(config, counts, kv_cache_dtype, gpu_memory_utilization, dtype)
     world = tp * cp
     dtype_bytes = dtype.itemsize
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
@@ -236,8 +231,17 @@ def plan_memory(
     )
 
 
-def _check_plan_args(config: KimiK3Config, counts: dict[str, int]) -> None:
-    """Each of `counts` (tp, cp, page_size, ...) an int >= 1, and tp * cp dividing the KDA heads."""
+def _check_plan_args(
+    config: KimiK3Config, counts: dict[str, int], kv_cache_dtype: str, utilization: float, dtype: torch.dtype
+) -> None:
+    """Each of `counts` (tp, cp, page_size, ...) an int >= 1, tp * cp dividing the KDA heads, a known cache dtype,
+    a utilization in (0, 1] and a floating dtype."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     for name, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
