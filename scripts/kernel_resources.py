@@ -135,7 +135,7 @@ def mla_cases() -> list[tuple]:
         # an fp8 cache computes in fp16 (decode_fp8.py)
         c = dict(PAGE_SIZE=64, DC=512, DR=64, BLOCK_H=rows, BLOCK_Q=1, BLOCK_N=sched.block_n, DSPLIT=sched.d_split,
                  SEQS_POW2=256, COMPUTE_DTYPE=tl.float16 if fp8 else tl.bfloat16, DOT_PRECISION="tf32", IS_FP8=fp8,
-                 HAS_BOUNDS=False, SPLIT=True, RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
+                 USE_KV_BOUNDS=False, SPLIT=True, RESCALE_SLACK=sched.rescale_slack, USE_TMA=tma)  # fmt: skip
         kv = "fp8e4nv" if fp8 else "bf16"
         overrides = {"kv_ptr": f"*{kv}"}
         if tma:
@@ -163,7 +163,7 @@ def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64, longest_f
         layout = gl.NVMMASharedLayout.get_default_for([1, block_n, width], gl.bfloat16)
         return f"tensordesc<bf16[1, {block_n}, {width}],{layout!r}>"
 
-    c = dict(PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_Q=1, SEQS_POW2=256, HAS_BOUNDS=False, SPLIT=not longest_first,
+    c = dict(PAGE_SIZE=page_size, BLOCK_H=64, BLOCK_Q=1, SEQS_POW2=256, USE_KV_BOUNDS=False, SPLIT=not longest_first,
              NUM_STAGES=num_stages, LONGEST_FIRST=longest_first)  # fmt: skip
     order = "longest first" if longest_first else "split KV"
     name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, {order}, Gluon wgmma (warp-spec.)"

@@ -208,7 +208,7 @@ def sample(
     filtered = [j for j, i in enumerate(rand) if params[i].top_k > 0 or params[i].top_p < 1]
     if filtered:
         sub = torch.tensor(filtered).to(device, non_blocking=True)
-        scaled[sub] = _filter_top_k_top_p(scaled[sub], [params[rand[j]] for j in filtered])
+        scaled[sub] = filter_top_k_top_p(scaled[sub], [params[rand[j]] for j in filtered])
 
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)
@@ -220,7 +220,7 @@ def sample(
     return out
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Set every logit outside a row's top_k and top_p nucleus to -inf. scaled: [M, V] fp32 (temperature applied)."""
     m, vocab = scaled.shape
     device = scaled.device

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import SamplingParams, _filter_top_k_top_p
+from ..engine.sampling import SamplingParams, filter_top_k_top_p
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     request's top_k / top_p, as `engine.sampling.sample` does)."""
     scaled = logits.float() / params.temperature
     if params.top_k > 0 or params.top_p < 1:
-        scaled = _filter_top_k_top_p(scaled, [params] * scaled.shape[0])
+        scaled = filter_top_k_top_p(scaled, [params] * scaled.shape[0])
     return torch.softmax(scaled, dim=-1)
 
 

@@ -46,3 +46,11 @@ def test_demo_model_speculative_greedy_equals_plain(plain, drafter_dir, method, 
     llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
     assert llm.speculative.metrics.rounds > 0  # drafts were verified, not skipped
+
+
+def test_shipped_drafter_is_the_default_and_exact(plain):
+    """DSpark without a `model` on the demo model takes the drafter shipped beside it (assets/demo/drafter)."""
+    spec = {"method": "dspark", "num_speculative_tokens": 5}
+    llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
+    assert llm.speculative.metrics.rounds > 0

@@ -97,7 +97,7 @@ def kda_chunk_gate_kernel(
     spread_wide = 0.0
     spread_halves = 0.0
     for c in range(0, K, BK):
-        x = _tile(g, 0, c, T, K, H * K, BT, BK)
+        x = load_tile(g, 0, c, T, K, H * K, BT, BK)
         if GATE_IN_KERNEL:
             o_k = c + tl.arange(0, BK)
             x = log_decay(x + tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0)[None, :], rate, lower_bound,
@@ -174,7 +174,7 @@ def row_factors(sq, sk, beta, rnorm, r0, T, scale, H: tl.constexpr, BR: tl.const
 
 
 @triton.jit
-def _tile(ptr, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
+def load_tile(ptr, r0, c0, T, D: tl.constexpr, stride, BR: tl.constexpr, BD: tl.constexpr):
     """[BR, BD] fp32 tile at (r0, c0) of a row-major [T, D] view with row stride `stride`; zero outside."""
     rows = r0 + tl.arange(0, BR)
     cols = c0 + tl.arange(0, BD)
@@ -209,7 +209,7 @@ def zero_above_diagonal(Aqk, T, S, BT: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, BC: tl.constexpr):
+def unit_lower_inverse(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower-triangular [BC, BC] A (BC <= 32): with N = -A nilpotent, the inverse is
     sum_n N^n = (I + N)(I + N^2)(I + N^4)..., a few fp32 dots instead of BC dependent row updates (on an H200 the
     chunk-wide intra kernel took 737 us with forward substitution, 407 us with this;
@@ -259,22 +259,22 @@ def _solve_below_diagonal(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC
     blocks below them, each block below the diagonal becomes Ai_ij = -Ai_ii sum_{j<=m<i} A_im Ai_mj. Only blocks on
     or below the diagonal exist; the readers mask the rest."""
     if BT > BC:
-        Ai00 = _tile(Ai, 0, 0, T, BT, S, BC, BC)
-        Ai11 = _tile(Ai, BC, BC, T, BT, S, BC, BC)
-        Ai10 = merge_row1(Ai00, Ai11, _tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PRECISION)
+        Ai00 = load_tile(Ai, 0, 0, T, BT, S, BC, BC)
+        Ai11 = load_tile(Ai, BC, BC, T, BT, S, BC, BC)
+        Ai10 = merge_row1(Ai00, Ai11, load_tile(Ai, BC, 0, T, BT, S, BC, BC), DOT_PRECISION)
         store_tile(Ai, Ai10, BC, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
-        A20 = _tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
-        A21 = _tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
-        Ai22 = _tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
+        A20 = load_tile(Ai, 2 * BC, 0, T, BT, S, BC, BC)
+        A21 = load_tile(Ai, 2 * BC, BC, T, BT, S, BC, BC)
+        Ai22 = load_tile(Ai, 2 * BC, 2 * BC, T, BT, S, BC, BC)
         Ai20, Ai21 = merge_row2(Ai00, Ai11, Ai10, Ai22, A20, A21, DOT_PRECISION)
         store_tile(Ai, Ai21, 2 * BC, BC, T, BT, S, BC, BC)
         store_tile(Ai, Ai20, 2 * BC, 0, T, BT, S, BC, BC)
 
-        A30 = _tile(Ai, 3 * BC, 0, T, BT, S, BC, BC)
-        A31 = _tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
-        A32 = _tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
-        Ai33 = _tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
+        A30 = load_tile(Ai, 3 * BC, 0, T, BT, S, BC, BC)
+        A31 = load_tile(Ai, 3 * BC, BC, T, BT, S, BC, BC)
+        A32 = load_tile(Ai, 3 * BC, 2 * BC, T, BT, S, BC, BC)
+        Ai33 = load_tile(Ai, 3 * BC, 3 * BC, T, BT, S, BC, BC)
         Ai30, Ai31, Ai32 = merge_row3(Ai00, Ai11, Ai22, Ai10, Ai20, Ai21, Ai33, A30, A31, A32, DOT_PRECISION)
         store_tile(Ai, Ai32, 3 * BC, 2 * BC, T, BT, S, BC, BC)
         store_tile(Ai, Ai31, 3 * BC, BC, T, BT, S, BC, BC)
@@ -288,9 +288,9 @@ def invert_in_place(Ai, T, S, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION:
     # The blocks are read back, and rewritten, by other threads of this program.
     tl.debug_barrier()
     for i in tl.static_range(BT // BC):
-        A_ii = _tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
+        A_ii = load_tile(Ai, i * BC, i * BC, T, BT, S, BC, BC)
         tl.debug_barrier()
-        store_tile(Ai, _unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
+        store_tile(Ai, unit_lower_inverse(A_ii, BC), i * BC, i * BC, T, BT, S, BC, BC)
     tl.debug_barrier()
     _solve_below_diagonal(Ai, T, S, BT, BC, DOT_PRECISION)
 
@@ -339,9 +339,9 @@ def kda_chunk_intra_kernel(
     sq = tl.zeros([BT], dtype=tl.float32)
     sk = tl.zeros([BT], dtype=tl.float32)
     for c in range(0, K, BKS):
-        b_q = _tile(q, 0, c, T, K, HK, BT, BKS)
-        b_k = _tile(k, 0, c, T, K, HK, BT, BKS)
-        b_g = _tile(G, 0, c, T, K, HK, BT, BKS)
+        b_q = load_tile(q, 0, c, T, K, HK, BT, BKS)
+        b_k = load_tile(k, 0, c, T, K, HK, BT, BKS)
+        b_g = load_tile(G, 0, c, T, K, HK, BT, BKS)
         b_last = load_row(G, T - 1, c, HK, K, BKS)
         # a pivot halfway between the first and last decay of its rows halves the spread of a monotone G
         b_d = b_g - (0.5 * (load_row(G, 0, c, HK, K, BKS) + b_last))[None, :]

@@ -15,16 +15,16 @@ import triton.language as tl
 from kimi_helix.kernels.kda.chunk_intra import (
     MAX_SPREAD,
     ROUTE_BLOCKS,
-    _tile,
-    _unit_lower_inverse,
     at_chunk,
     load_row,
+    load_tile,
     merge_row1,
     merge_row2,
     merge_row3,
     row_factors,
     store_decayed,
     store_tile,
+    unit_lower_inverse,
     zero_above_diagonal,
 )
 
@@ -44,10 +44,10 @@ def _diag_exact(q, k, G, r0, m, T, H: tl.constexpr, K: tl.constexpr, BC: tl.cons
         col_kk = tl.zeros([BC], dtype=tl.float32)
         col_qk = tl.zeros([BC], dtype=tl.float32)
         for c in range(0, K, BKS):
-            b_d = _tile(G, r0, c, T, K, HK, BC, BKS) - load_row(G, rj, c, HK, K, BKS)[None, :]
+            b_d = load_tile(G, r0, c, T, K, HK, BC, BKS) - load_row(G, rj, c, HK, K, BKS)[None, :]
             b_kj = tl.exp2(tl.where(keep[:, None], b_d, -float("inf"))) * load_row(k, rj, c, HK, K, BKS)[None, :]
-            col_kk += tl.sum(_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
-            col_qk += tl.sum(_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            col_kk += tl.sum(load_tile(k, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
+            col_qk += tl.sum(load_tile(q, r0, c, T, K, HK, BC, BKS) * b_kj, axis=1)
         A_kk = tl.where(o_c[None, :] == j, col_kk[:, None], A_kk)
         A_qk = tl.where(o_c[None, :] == j, col_qk[:, None], A_qk)
     return A_kk, A_qk
@@ -67,8 +67,8 @@ def _scale_diag(Aqk, A_kk, A_qk, r0, rq, rk, b_b, T, H: tl.constexpr, BT: tl.con
 def load_slice(q, k, G, r0, c, T, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr):
     """Columns c .. c+BKS of the row block at r0: q, k and G as fp32 [BC, BKS] tiles (zero outside)."""
     HK = H * K
-    return (_tile(q, r0, c, T, K, HK, BC, BKS), _tile(k, r0, c, T, K, HK, BC, BKS),
-            _tile(G, r0, c, T, K, HK, BC, BKS))  # fmt: skip
+    return (load_tile(q, r0, c, T, K, HK, BC, BKS), load_tile(k, r0, c, T, K, HK, BC, BKS),
+            load_tile(G, r0, c, T, K, HK, BC, BKS))  # fmt: skip
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _finish_diag(q, k, G, Aqk, D_qk, D_kk, spread, r0, rq, rk, b_b, T, H: tl.con
     m = (r0 + tl.arange(0, BC)) < T
     if spread > MAX_SPREAD:
         D_kk, D_qk = _diag_exact(q, k, G, r0, m, T, H, K, BC, BKS)
-    return _unit_lower_inverse(_scale_diag(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, H, BT, BC), BC)
+    return unit_lower_inverse(_scale_diag(Aqk, D_kk, D_qk, r0, rq, rk, b_b, T, H, BT, BC), BC)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
+from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import capability, interpreting, num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.mla.combine_triton import launch_combine, mla_decode_combine_kernel
@@ -231,7 +232,7 @@ def mla_decode_fwd_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr,
-    HAS_BOUNDS: tl.constexpr,
+    USE_KV_BOUNDS: tl.constexpr,
     SPLIT: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -263,7 +264,7 @@ def mla_decode_fwd_kernel(
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
     kv_len = tl.load(cache_seqlens_ptr + seq)
-    if HAS_BOUNDS:
+    if USE_KV_BOUNDS:
         bound = tl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
     else:
         bound = kv_len - (q_hi - q_lo) + (tok - q_lo) + 1
@@ -424,8 +425,7 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(f"q is on {q.device}: the Triton MLA decode kernel needs CUDA (or TRITON_INTERPRET=1)")
+    check_triton_device("q", q)
     if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(-1) != 1:
         raise ValueError(
             f"q must be [T, H, D] fp32/fp16/bf16 with a contiguous last dim, got {list(q.shape)} {q.dtype}"
@@ -533,7 +533,7 @@ def mla_decode_triton(
             q, kv_c_desc, kv_pe_desc, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse,
             qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
-            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, NUM_STAGES=sched.num_stages,
+            USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, NUM_STAGES=sched.num_stages,
             LONGEST_FIRST=_longest_first(splits, N, grid[0], q.device.index),
             num_warps=4,  # the parent and scores warpgroup; the kernel adds its output warpgroup and loader warp
         )  # fmt: skip
@@ -544,7 +544,7 @@ def mla_decode_triton(
             kv_cache.stride(1), block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank,
             SEQS_POW2=next_pow2(N + 1), COMPUTE_DTYPE=_TL_DTYPE[compute],
             DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", IS_FP8=kv_cache.dtype == FP8,
-            HAS_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, USE_TMA=use_tma, **cfg,
+            USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, USE_TMA=use_tma, **cfg,
         )  # fmt: skip
     if splits > 1:
         launch_combine(part_out, part_lse, out, lse, num_sms(q.device.index))

@@ -295,7 +295,7 @@ def mla_decode_wgmma_kernel(
     BLOCK_H: gl.constexpr,
     BLOCK_Q: gl.constexpr,
     SEQS_POW2: gl.constexpr,
-    HAS_BOUNDS: gl.constexpr,
+    USE_KV_BOUNDS: gl.constexpr,
     SPLIT: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     LONGEST_FIRST: gl.constexpr,
@@ -336,7 +336,7 @@ def mla_decode_wgmma_kernel(
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (tok < q_hi) & (head < num_heads)
     kv_len = gl.load(cache_seqlens_ptr + seq)
-    if HAS_BOUNDS:
+    if USE_KV_BOUNDS:
         bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
     else:
         bound = kv_len - (q_hi - q_lo) + (tok - q_lo) + 1

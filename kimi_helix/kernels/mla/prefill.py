@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
+from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import interpreting, triton_devices
 
 __all__ = ["CAPS", "mla_prefill_triton", "tile_config"]
@@ -216,8 +217,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple[tuple[int, int], tup
             raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    check_triton_device("q", q)
     H, dqk = q.shape[1], q.shape[2]
     if tuple(k.shape[1:]) != (H, dqk):
         raise ValueError(f"k must have shape [Tk, H, Dqk] = [Tk, {H}, {dqk}], got {list(k.shape)}")

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
-from kimi_helix.kernels.device import interpreting, triton_devices
+from kimi_helix.kernels.common import check_triton_device
+from kimi_helix.kernels.device import triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.moe.naive import SharedExperts
 
@@ -421,8 +422,7 @@ def fused_experts_triton(
         [T, d] in x.dtype (`out` when given).
     """
     T, d, E, I, top_k = _check_inputs(x, gate_up_proj, down_proj, weights, ids, shared)
-    if x.device.type != "cuda" and not interpreting():
-        raise ValueError(f"x is on {x.device}: the Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)")
+    check_triton_device("x", x)
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:
