@@ -47,7 +47,7 @@ def test_torchrun_tp2_cp2_cli_matches_one_process(tmp_path):
     from kimi_helix import KimiK3ForCausalLM
     from kimi_helix.tokenizer import build_byte_tokenizer
 
-    from .harness import parallel_test_config
+    from ..parallel.harness import parallel_test_config
 
     torch.manual_seed(0)
     KimiK3ForCausalLM(parallel_test_config()).save_pretrained(tmp_path)
