@@ -42,7 +42,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
-from bench_common import JsonlWriter, copy_tbps, run_metadata  # noqa: E402
+from bench_common import JsonlWriter, copy_tbps, int_list, print_markdown_table, run_metadata  # noqa: E402
 
 from kimi_helix import KimiK3ForCausalLM  # noqa: E402
 from kimi_helix.engine import LLM, SamplingParams  # noqa: E402
@@ -416,17 +416,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    def ints(s: str) -> list[int]:
-        return [int(x) for x in s.split(",")]
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="kimi-linear-48b-a3b", help="model shapes (default: kimi-linear-48b-a3b)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--batches", type=ints, default=None, help="comma-separated (default: 1,8,64,256)")
-    p.add_argument("--contexts", type=ints, default=None, help="comma-separated (default: 4096,32768)")
-    p.add_argument("--hf-contexts", type=ints, default=None,
+    p.add_argument("--batches", type=int_list, default=None, help="comma-separated (default: 1,8,64,256)")
+    p.add_argument("--contexts", type=int_list, default=None, help="comma-separated (default: 4096,32768)")
+    p.add_argument("--hf-contexts", type=int_list, default=None,
                    help=f"contexts for transformers' model (default: those <= {HF_MAX_CONTEXT})")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per case")
     p.add_argument("--quick", action="store_true", help="a short run: batch 1 and 8 at 4k, fewer steps")
@@ -511,11 +508,7 @@ def print_table(rows: list[dict]) -> None:
     cols = ["case", "mode", "layers", "batch", "context", "ms_per_step", "tokens_per_s", "kernels_per_step",
             "floor_ms", "pct_of_floor", "speedup_vs_hf", "verify_over_decode", "floor_over_decode",
             "prefill_tokens_per_s", "skipped"]  # fmt: skip
-    cols = [c for c in cols if any(c in r for r in rows)]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    print_markdown_table(rows, cols)
 
 
 if __name__ == "__main__":
