@@ -52,15 +52,18 @@ SWEEP = [
     MoeConfig(128, 64, 64, 128, 64, num_warps=8, num_stages=3),
     MoeConfig(128, 128, 64, 256, 64, num_warps=8, num_stages=3),
     MoeConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=4),
-    # decode: the in-kernel combine at several depths and stage counts, and the per-pair down kernel plus a sum
-    MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=4, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=3, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 512, num_warps=8, num_stages=4, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 256, num_warps=4, num_stages=4, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 256, num_warps=4, num_stages=6, sort_pairs=False),
-    MoeConfig(16, 32, 128, 16, 1024, num_warps=4, num_stages=3, sort_pairs=False),
-    MoeConfig(16, 32, 128, 32, 512, num_warps=4, num_stages=4, sort_pairs=False),
+    # decode: the in-kernel combine (a GEMV: any column tile) at several widths and depths, narrower gate/up
+    # tiles (more programs for 9 pairs), and the per-pair down kernel plus a sum
+    MoeConfig(16, 16, 256, 4, 1024, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 32, 128, 4, 1024, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 2, 1024, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 4, 512, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 8, 512, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 8, 256, num_warps=2, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 256, 8, 1024, num_warps=8, num_stages=4, sort_pairs=False),
     MoeConfig(16, 16, 256, 16, 512, num_warps=4, num_stages=4, sort_pairs=False),
+    MoeConfig(16, 16, 128, 4, 1024, num_warps=4, num_stages=6, sort_pairs=False),
+    MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=4, sort_pairs=False),
     MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4, sort_pairs=False, combine_in_down=False),
 ]
 

@@ -59,8 +59,9 @@ class MoeConfig:
 
     Unsorted, every pair is a block of its own (one valid row of `block_m`): no sort launch, but an expert chosen
     by several pairs is read once per pair, so it pays only for a handful of pairs. The down tiles then belong to
-    `moe_combine_down_kernel`, one program per (token, `block_n_down` outputs), which wants narrow, deep tiles:
-    there are only T * d / block_n_down programs, and each must keep enough weight bytes in flight; with
+    `moe_combine_down_kernel`, a GEMV with one program per (token, `block_n_down` outputs: any power of two), which
+    wants narrow, deep tiles: there are only T * d / block_n_down programs to fill the SMs, and each must keep
+    enough weight bytes in flight; with
     `combine_in_down` False they go to the per-pair `moe_down_kernel` and a torch sum instead (one launch more).
     """
 
@@ -80,7 +81,7 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
         if num_pairs <= UNSORTED_MAX_PAIRS:
-            return MoeConfig(16, 32, 128, 16, 512, num_warps=4, num_stages=4, sort_pairs=False)
+            return MoeConfig(16, 16, 256, 4, 1024, num_warps=4, num_stages=4, sort_pairs=False)
         return MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 96:
         return MoeConfig(64, 64, 64, 128, 64, num_warps=4, num_stages=3)
@@ -297,10 +298,13 @@ def moe_combine_down_kernel(
     inter_ptr, w_ptr, sd_ptr, routing_ptr, out_ptr, ids_ptr,
     hidden, inter_size, shared_size, stride_it, stride_we, stride_wn, stride_wk, stride_sdn, stride_sdk, stride_ot,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_ROUTED: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SHARED_EVEN: tl.constexpr,
 ):  # fmt: skip
-    """Unsorted: out[t, tile] = sum over slots j (in order) of weight_j * down[e_j][tile] @ inter[t * SLOTS + j]."""
+    """Unsorted: out[t, tile] = sum over slots j (in order) of weight_j * down[e_j][tile] @ inter[t * SLOTS + j].
+
+    A GEMV, not tl.dot (which wants 16 rows and 16 columns for one): narrow column tiles give the few decode
+    tokens enough programs to fill every SM, and the unrolled slots keep all their weight loads in flight."""
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_wn = offs_n % hidden  # see _gate_up_tiles
@@ -308,34 +312,27 @@ def moe_combine_down_kernel(
     slots = tl.arange(0, BLOCK_SLOTS)
     experts = _pair_expert(ids_ptr, t * SLOTS + slots, slots < SLOTS, TOP_K, SLOTS, NUM_ROUTED).to(tl.int64)
     scales = _pair_weight(routing_ptr, t * SLOTS + slots, slots < SLOTS, TOP_K, SLOTS)
-    # tl.dot wants 16 rows: the intermediate row goes in row 0, the zero rows below add nothing
-    row0 = tl.arange(0, BLOCK_M)[:, None] == 0
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_tiles = tl.cdiv(inter_size, BLOCK_K)
-    # one flat loop over (slot, k tile), so the loads stay pipelined across the slots
-    for step in range(SLOTS * k_tiles):
-        slot = step // k_tiles
-        k0 = (step % k_tiles) * BLOCK_K
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(SLOTS):
         pick = slots == slot
         expert = tl.sum(tl.where(pick, experts, 0), axis=0)
-        a_ptrs = inter_ptr + (t * SLOTS + slot) * stride_it + (k0 + offs_k)[None, :] + row0 * 0
-        w_ptrs = _down_tile(w_ptr, sd_ptr, expert, offs_wn, k0 + offs_k, inter_size, shared_size, stride_we, stride_wn,
-                            stride_wk, stride_sdn, stride_sdk, NUM_ROUTED, HAS_SHARED, SHARED_EVEN)  # fmt: skip
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row0, other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            k_in = offs_k < inter_size - k0
-            a = tl.load(a_ptrs, mask=row0 & k_in[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        # after the slot's last k tile: add its weighted product to the total, start the next slot from zero
-        done = step % k_tiles == k_tiles - 1
-        total = tl.where(done, total + tl.sum(tl.where(pick, scales, 0.0), axis=0) * acc, total)
-        acc = tl.where(done, 0.0, acc)
-    out = tl.sum(total, axis=0)
-    tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < hidden)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            cols = k0 + offs_k
+            a_ptrs = inter_ptr + (t * SLOTS + slot) * stride_it + cols
+            # _down_tile gives [BLOCK_K, BLOCK_N] pointers; the GEMV reduces over its first axis
+            w_ptrs = _down_tile(w_ptr, sd_ptr, expert, offs_wn, cols, inter_size, shared_size, stride_we, stride_wn,
+                                stride_wk, stride_sdn, stride_sdk, NUM_ROUTED, HAS_SHARED, SHARED_EVEN)  # fmt: skip
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_in = cols < inter_size
+                a = tl.load(a_ptrs, mask=k_in, other=0.0)
+                w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None], axis=0)
+        total += tl.sum(tl.where(pick, scales, 0.0), axis=0) * acc
+    tl.store(out_ptr + t * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < hidden)
 
 
 def _check_inputs(x, gate_up_proj, down_proj, weights, ids, shared) -> tuple[int, int, int, int, int]:
@@ -458,7 +455,10 @@ def fused_experts_triton(
     if not cfg.sort_pairs and cfg.combine_in_down:
         moe_combine_down_kernel[(T, cdiv(d, cfg.block_n_down))](
             inter, down_proj, down, routing, out, flat_ids, d, I, shared_size, inter.stride(0),
-            *down_proj.stride(), *down.stride(), out.stride(0), BLOCK_SLOTS=next_pow2(slots), BLOCK_M=16, **down_args,
+            *down_proj.stride(), *down.stride(), out.stride(0), BLOCK_SLOTS=next_pow2(slots), BLOCK_N=cfg.block_n_down,
+            BLOCK_K=cfg.block_k_down, EVEN_K=I % cfg.block_k_down == 0, HAS_SHARED=shared is not None,
+            SHARED_EVEN=shared_size % I == 0, TOP_K=top_k, SLOTS=slots, NUM_ROUTED=E, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
     pair_out = torch.empty(M, d, dtype=x.dtype, device=x.device)

@@ -62,6 +62,19 @@ def test_shared_experts_ragged_tiles(sort_pairs, combine):
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids, shared), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("block_n, block_k", [(1, 16), (4, 64), (8, 32)], ids=["one_col", "k_past_I", "ragged"])
+def test_combine_down_gemv_tiles(block_n, block_k):
+    # the decode combine is a GEMV: any column tile, K steps wider than I or ragged against it, d not a multiple
+    # of the tile, and a ragged shared slice
+    d, inter = 44, 40
+    gate_up, down = make_experts(6, d, inter, torch.float32, seed=80)
+    shared = make_shared(d, 60, torch.float32, seed=81)
+    x, weights, ids = make_tokens(2, d, 6, 3, torch.float32, seed=82)
+    config = MoeConfig(16, 16, 32, block_n, block_k, num_warps=2, num_stages=2, sort_pairs=False)
+    y = run_triton(x, gate_up, down, weights, ids, config=config, shared=shared)
+    assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids, shared), TOL[torch.float32])
+
+
 @pytest.mark.parametrize(
     "config",
     [MoeConfig(16, 16, 16, 16, 16), MoeConfig(32, 32, 16, 16, 32, num_warps=2, num_stages=2)],
