@@ -25,12 +25,16 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
+def hooked(module: nn.Module) -> bool:
+    """Whether `module` has forward (pre-)hooks, accelerate's included: what they see must stay as it is."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+
+
 def plain_linear(lin: nn.Module, x: torch.Tensor) -> bool:
     """Whether reading `lin.weight` directly computes `lin(x)` (so several projections of x can share one launch):
     a bias-free `nn.Linear` or `Linear` (no other subclass, no wrapper), no forward hooks (accelerate's included),
     its weight on x's device."""
-    hooked = lin._forward_hooks or lin._forward_pre_hooks or hasattr(lin, "_hf_hook")
-    return type(lin) in (nn.Linear, Linear) and lin.bias is None and not hooked and lin.weight.device == x.device
+    return type(lin) in (nn.Linear, Linear) and lin.bias is None and not hooked(lin) and lin.weight.device == x.device
 
 
 def fused_projections(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:

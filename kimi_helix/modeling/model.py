@@ -20,7 +20,7 @@ from .batch import ForwardBatch
 from .cache import KimiK3Cache
 from .config import KimiK3Config
 from .kda import KimiDeltaAttention
-from .layers import GatedRMSNorm, RMSNorm, SwiGLU
+from .layers import GatedRMSNorm, RMSNorm, SwiGLU, hooked
 from .mla import MLAttention
 from .moe import RoutedExperts, SparseMoE, TopkRouter
 
@@ -53,6 +53,10 @@ class KimiK3DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), batch, cache)
         # the residual add and the MLP's norm in one kernel: h = norm(x + attn), x = x + attn
         h, x = self.post_attention_layernorm.forward_add(attn, x)
+        # the MoE adds the residual inside its kernels, unless a hook must see its own output (tensor
+        # parallelism's all-reduce must not sum the residual once per rank)
+        if self.is_moe and not hooked(self.block_sparse_moe):
+            return self.block_sparse_moe(h, residual=x)
         return x + self.ffn(h)
 
 

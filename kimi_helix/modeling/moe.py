@@ -69,17 +69,23 @@ class RoutedExperts(nn.Module):
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: SwiGLU | None = None
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        shared: SwiGLU | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, d]; weights, ids [T, k] -> [T, d] (`kernels.moe.fused_experts`: Triton on the GPU).
 
-        `shared`, the block's shared experts, joins the same kernels at weight 1, its weights read in place.
+        `shared`, the block's shared experts, joins the same kernels at weight 1, its weights read in place;
+        `residual` [T, d] is added inside them (the decoder layer's residual add, one launch fewer).
         """
         shared_weights = None
         if shared is not None:
             shared_weights = SharedExperts(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
         return fused_experts(
-            x, self.gate_up_proj, self.down_proj, weights, ids, shared_weights, backend=self.backends.kernels
+            x, self.gate_up_proj, self.down_proj, weights, ids, shared_weights, residual, backend=self.backends.kernels
         )
 
 
@@ -95,7 +101,9 @@ class SparseMoE(nn.Module):
             SwiGLU(config.hidden_size, config.moe_intermediate_size * n_shared) if n_shared > 0 else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, d] -> [T, d]; with `residual` [T, d], `residual + moe(x)` (added inside the experts' kernels
+        where they take the shared experts too)."""
         weights, ids = self.gate(x)
         shared = self.shared_experts
         # apart: for experts that take no shared experts (tensor parallelism's expert-parallel ones), and for shared
@@ -103,8 +111,8 @@ class SparseMoE(nn.Module):
         if getattr(self.experts, "fuses_shared_experts", False) and (
             shared is None or shared.down_proj.weight.device == x.device
         ):
-            return self.experts(x, weights, ids, shared)
+            return self.experts(x, weights, ids, shared, residual)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out if residual is None else residual + out

@@ -88,9 +88,10 @@ def fused_experts_ref(
     weights: torch.Tensor,
     ids: torch.Tensor,
     shared: SharedExperts | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts, plus the shared experts if given, as a loop over the experts that received tokens (syncs with
-    the host: a reference only).
+    """Routed experts, plus the shared experts and `residual` if given, as a loop over the experts that received
+    tokens (syncs with the host: a reference only).
 
     `out[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) + shared(x[t])` with
     `e = ids[t, j]` and `shared` the SwiGLU `shared.down @ (silu(shared.gate @ x) * (shared.up @ x))`. Each
@@ -104,6 +105,8 @@ def fused_experts_ref(
         weights: [T, k] fp32 routing weights.
         ids: [T, k] expert ids.
         shared: the shared experts' weights (weight 1, every token), or None.
+        residual: [T, d] in x.dtype, added to the fp32 sum before its rounding (a pre-norm block's residual), or
+            None.
 
     Returns:
         [T, d] in x.dtype.
@@ -124,4 +127,6 @@ def fused_experts_ref(
     if shared is not None:
         gate, up, down = shared
         out += F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down).to(acc_dtype)
+    if residual is not None:
+        out += residual.to(acc_dtype)
     return out.to(x.dtype)

@@ -295,13 +295,14 @@ def moe_down_kernel(
 
 @triton.jit
 def moe_combine_down_kernel(
-    inter_ptr, w_ptr, sd_ptr, routing_ptr, out_ptr, ids_ptr,
+    inter_ptr, w_ptr, sd_ptr, routing_ptr, residual_ptr, out_ptr, ids_ptr,
     hidden, inter_size, shared_size, stride_it, stride_we, stride_wn, stride_wk, stride_sdn, stride_sdk, stride_ot,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_ROUTED: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+    stride_rt, TOP_K: tl.constexpr, SLOTS: tl.constexpr, NUM_ROUTED: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
-    SHARED_EVEN: tl.constexpr,
+    SHARED_EVEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """Unsorted: out[t, tile] = sum over slots j (in order) of weight_j * down[e_j][tile] @ inter[t * SLOTS + j].
+    """Unsorted: out[t, tile] = sum over slots j (in order) of weight_j * down[e_j][tile] @ inter[t * SLOTS + j]
+    (+ residual[t, tile], in fp32 before the one rounding).
 
     A GEMV, not tl.dot (which wants 16 rows and 16 columns for one): narrow column tiles give the few decode
     tokens enough programs to fill every SM, and the unrolled slots keep all their weight loads in flight."""
@@ -332,13 +333,20 @@ def moe_combine_down_kernel(
                 w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None], axis=0)
         total += tl.sum(tl.where(pick, scales, 0.0), axis=0) * acc
+    if HAS_RESIDUAL:
+        total += tl.load(residual_ptr + t * stride_rt + offs_n, mask=offs_n < hidden, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < hidden)
 
 
-def _check_inputs(x, gate_up_proj, down_proj, weights, ids, shared) -> tuple[int, int, int, int, int]:
+def _check_inputs(x, gate_up_proj, down_proj, weights, ids, shared, residual) -> tuple[int, int, int, int, int]:
     if x.dim() != 2:
         raise ValueError(f"x must have shape [T, d], got {list(x.shape)}")
     T, d = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(
+            f"residual must be a {list(x.shape)} {x.dtype} tensor with unit last stride, got "
+            f"{list(residual.shape)} {residual.dtype} strides {residual.stride()}"
+        )
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2 or gate_up_proj.shape[2] != d:
         raise ValueError(f"gate_up_proj must have shape [E, 2I, d={d}], got {list(gate_up_proj.shape)}")
     E, I = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
@@ -393,6 +401,7 @@ def fused_experts_triton(
     weights: torch.Tensor,
     ids: torch.Tensor,
     shared: SharedExperts | None = None,
+    residual: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
@@ -400,9 +409,9 @@ def fused_experts_triton(
     """Routed (and shared) experts, the maths of :func:`~kimi_helix.kernels.moe.naive.fused_experts_ref`.
 
     `out[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) + shared(x[t])` with
-    `e = ids[t, j]`; fp32 accumulation. The intermediate silu(gate) * up is rounded to x.dtype; unsorted (decode)
-    the weighted sum over slots stays in fp32 until the one rounding of the output, sorted each (token, slot)
-    contribution is rounded to x.dtype before the fp32 sum.
+    `e = ids[t, j]`, plus `residual[t]` when given; fp32 accumulation. The intermediate silu(gate) * up is rounded
+    to x.dtype; unsorted (decode) the weighted sum over slots (and the residual) stays in fp32 until the one
+    rounding of the output, sorted each (token, slot) contribution is rounded to x.dtype before the fp32 sum.
 
     Args:
         x: [T, d], fp32/fp16/bf16.
@@ -412,13 +421,15 @@ def fused_experts_triton(
         ids: [T, k] int32/int64 expert ids, each in [0, E) (not checked: that would sync with the host).
         shared: the shared experts (gate, up [I_s, d], down [d, I_s] in x.dtype), read in place as cdiv(I_s, I)
             slices of width I at weight 1; None for none.
+        residual: [T, d] in x.dtype (rows may be strided), added to the result (inside the combine when
+            unsorted: one rounding), or None.
         out: optional [T, d] output in x.dtype, written fully.
         config: tile sizes; `default_config(T * (k + slices), E + slices)` when None.
 
     Returns:
         [T, d] in x.dtype (`out` when given).
     """
-    T, d, E, I, top_k = _check_inputs(x, gate_up_proj, down_proj, weights, ids, shared)
+    T, d, E, I, top_k = _check_inputs(x, gate_up_proj, down_proj, weights, ids, shared, residual)
     check_triton_device("x", x)
     if out is None:
         out = torch.empty_like(x)
@@ -454,11 +465,10 @@ def fused_experts_triton(
                      SHARED_EVEN=shared_size % I == 0, **common)  # fmt: skip
     if not cfg.sort_pairs and cfg.combine_in_down:
         moe_combine_down_kernel[(T, cdiv(d, cfg.block_n_down))](
-            inter, down_proj, down, routing, out, flat_ids, d, I, shared_size, inter.stride(0),
-            *down_proj.stride(), *down.stride(), out.stride(0), BLOCK_SLOTS=next_pow2(slots), BLOCK_N=cfg.block_n_down,
-            BLOCK_K=cfg.block_k_down, EVEN_K=I % cfg.block_k_down == 0, HAS_SHARED=shared is not None,
-            SHARED_EVEN=shared_size % I == 0, TOP_K=top_k, SLOTS=slots, NUM_ROUTED=E, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            inter, down_proj, down, routing, out if residual is None else residual, out, flat_ids, d, I, shared_size,
+            inter.stride(0), *down_proj.stride(), *down.stride(), out.stride(0),
+            out.stride(0) if residual is None else residual.stride(0), BLOCK_SLOTS=next_pow2(slots),
+            HAS_RESIDUAL=residual is not None, **{k: v for k, v in down_args.items() if k != "DOT_PRECISION"},
         )  # fmt: skip
         return out
     pair_out = torch.empty(M, d, dtype=x.dtype, device=x.device)
@@ -467,4 +477,6 @@ def fused_experts_triton(
         inter.stride(0), *down_proj.stride(), *down.stride(), pair_out.stride(0), SORTED=cfg.sort_pairs, **sort_args,
         **down_args,
     )  # fmt: skip
-    return torch.sum(pair_out.view(T, slots, d), dim=1, out=out)
+    if residual is None:
+        return torch.sum(pair_out.view(T, slots, d), dim=1, out=out)
+    return torch.add(residual, pair_out.view(T, slots, d).sum(dim=1), out=out)

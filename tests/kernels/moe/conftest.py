@@ -54,10 +54,10 @@ def make_tokens(T, d, n_experts, top_k, dtype, seed=1, device=DEVICE):
     return x.to(device, dtype), weights.to(device), ids.to(device)
 
 
-def run_triton(x, gate_up, down, weights, ids, config=None, shared=None):
+def run_triton(x, gate_up, down, weights, ids, config=None, shared=None, residual=None):
     """The kernel on a NaN-filled output, with every internal buffer poisoned too."""
     out = torch.full_like(x, float("nan"))
     with poisoned_empty():
-        y = fused_experts_triton(x, gate_up, down, weights, ids, shared, out=out, config=config)
+        y = fused_experts_triton(x, gate_up, down, weights, ids, shared, residual, out=out, config=config)
     assert y is out and y.dtype == x.dtype
     return y

@@ -94,6 +94,10 @@ def test_gpu_bf16_shared_experts_in_the_kernels(kimi_experts, kimi_shared, T):
     assert_rel_close("triton", y, exact, TOL[torch.bfloat16])
     # deterministic: no atomics, a second call is bitwise the same
     torch.testing.assert_close(run_triton(x, gate_up, down, weights, ids, shared=shared), y, rtol=0, atol=0)
+    # the decoder layer's residual, added inside (unsorted) or after the sum (sorted)
+    residual = torch.randn_like(x)
+    y = run_triton(x, gate_up, down, weights, ids, shared=shared, residual=residual)
+    assert_rel_close("triton + residual", y, exact + residual.double(), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -62,6 +62,22 @@ def test_shared_experts_ragged_tiles(sort_pairs, combine):
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids, shared), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_residual_joins_the_sum(T, dtype):
+    # T=1, 2: added inside the combine kernel; T=9: after the sorted path's sum. The residual is a strided view
+    # (every other row of a wider tensor's columns), as a layer's packed hidden states may be.
+    gate_up, down = make_experts(E, D, I, dtype, seed=90 + T)
+    shared = make_shared(D, I, dtype, seed=91 + T)
+    x, weights, ids = make_tokens(T, D, E, K, dtype, seed=92 + T)
+    residual = torch.randn(T, 2 * D, dtype=dtype, generator=torch.Generator().manual_seed(93)).to(x.device)[:, :D]
+    exact = truth(x, gate_up, down, weights, ids, shared).double() + residual.double()
+    y = run_triton(x, gate_up, down, weights, ids, shared=shared, residual=residual)
+    assert_rel_close("triton", y, exact, TOL[dtype])
+    ref = fused_experts_ref(x, gate_up, down, weights, ids, shared, residual)
+    assert_rel_close("reference", ref, exact, TOL[dtype])
+
+
 @pytest.mark.parametrize("block_n, block_k", [(1, 16), (4, 64), (8, 32)], ids=["one_col", "k_past_I", "ragged"])
 def test_combine_down_gemv_tiles(block_n, block_k):
     # the decode combine is a GEMV: any column tile, K steps wider than I or ragged against it, d not a multiple
