@@ -81,7 +81,7 @@ def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
         if num_pairs <= UNSORTED_MAX_PAIRS:
-            return MoeConfig(16, 16, 256, 4, 1024, num_warps=4, num_stages=4, sort_pairs=False)
+            return MoeConfig(16, 32, 128, 4, 1024, num_warps=4, num_stages=4, sort_pairs=False)
         return MoeConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=4)
     if per_expert <= 96:
         return MoeConfig(64, 64, 64, 128, 64, num_warps=4, num_stages=3)
