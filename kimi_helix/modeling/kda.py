@@ -5,9 +5,10 @@ Per token: q, k, v = SiLU(short causal conv(W x)); q and k L2-normalised; a per-
 the delta rule `S = (I - beta k k^T) diag(exp g) S + beta k v^T`, `o = S^T q / sqrt(K)`; then a gated RMSNorm and
 `o_proj`. State per sequence: the last `W - 1` conv inputs of q, k and v, and the fp32 recurrent state [H, K, V].
 
-On CUDA, without autograd, the projections that read the layer input (q, k, v, f_a, b and g_a or g) run as one
-GEMM: their weights become row blocks (views) of one packed weight on the first such call, so the checkpoint names
-and the memory stay as they were (see `_packed_weight`).
+On CUDA, without autograd, the projections that read the layer input (q, k, v, f_a, g_a or g, and b) run as one
+GEMM, and the two low-rank gates' second halves (f_b, g_b, whose inputs f_a and g_a then lie side by side) as
+another: their weights become blocks (views) of packed weights on the first such call, so the checkpoint names
+stay as they were (`packing.WeightPack`).
 """
 
 from __future__ import annotations
@@ -21,23 +22,8 @@ from ..kernels.kda import chunk_kda, fused_recurrent_kda
 from ..kernels.linear import linear
 from .batch import ForwardBatch, Phase, PhaseRun
 from .config import KimiK3Config
-from .layers import GatedRMSNorm, Linear, plain_linear
-
-# Devices on which the x projections run as one GEMM over a packed weight (`KimiDeltaAttention._packed_weight`).
-PACK_DEVICES = ("cuda",)
-_MAX_PACKINGS = 2  # the first, and one after a conversion (`model.to(...)`) replaced the weights
-
-
-def _row_blocks_of(packed: torch.Tensor, ws: list[torch.Tensor]) -> bool:
-    """Whether `ws` are, in order, the contiguous row blocks of `packed` that tile it (none was replaced)."""
-    start, base, size = 0, packed.data_ptr(), packed.element_size()
-    for w in ws:
-        if w.device != packed.device or w.dtype != packed.dtype or not w.is_contiguous():
-            return False
-        if w.dim() != 2 or w.shape[1] != packed.shape[1] or w.data_ptr() != base + start * size:
-            return False
-        start += w.numel()
-    return start == packed.numel()
+from .layers import GatedRMSNorm, Linear
+from .packing import WeightPack
 
 
 class KimiDeltaAttention(nn.Module):
@@ -72,9 +58,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(k, eps=config.rms_norm_eps)
         self.o_proj = Linear(p, d)
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
-        self._packed: torch.Tensor | None = None  # the x projections' one weight, see `_packed_weight`
-        self._packings = 0
-        self._packed_key: list = []  # (module id, data_ptr, dtype, shape) of each x projection when packed
+        self._x_pack = WeightPack()  # the x projections' rows
+        self._gate_pack = WeightPack(diagonal=True)  # f_b and g_b, block diagonal over [f_a, g_a]
 
     def conv_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k and v conv weights [P, W] (views): the conv kernels take them as the channel groups of one conv
@@ -82,54 +67,35 @@ class KimiDeltaAttention(nn.Module):
         return tuple(c.weight.squeeze(1) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d))
 
     def _x_linears(self) -> list[nn.Linear]:
-        """The projections that read the layer input x, in their order in the packed weight (read from `_modules`
-        directly: this runs every call, and a submodule attribute goes through `nn.Module.__getattr__`)."""
+        """The projections that read the layer input x, in their order in the packed weight (f_a next to g_a, so the
+        gates' second halves read one slice; read from `_modules` directly: this runs every call, and a submodule
+        attribute goes through `nn.Module.__getattr__`)."""
         m = self._modules
         gate = m["g_proj"] if self.use_full_rank_gate else m["g_a_proj"]
-        return [m["q_proj"], m["k_proj"], m["v_proj"], m["f_a_proj"], m["b_proj"], gate]
+        return [m["q_proj"], m["k_proj"], m["v_proj"], m["f_a_proj"], gate, m["b_proj"]]
 
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        """One weight [sum of outputs, d] whose row blocks the x projections' weights are views of, packed on the
-        first call that can use it; None where the separate GEMMs run instead: off `PACK_DEVICES` (the packing
-        only saves launches, and safetensors refuses to save CPU tensors that share storage), when autograd is on
-        for the weights, where a projection is not a plain `nn.Linear` (`layers.plain_linear`: a hook or wrapper must
-        run), during a CUDA-graph capture that finds nothing packed, or once the weights were replaced
-        again after a repacking (a hook that swaps them on every call, as accelerate's offloading does, would
-        otherwise keep a packed copy alive)."""
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [T, P], g (the forget gate's pre-activation) [T, P], the output gate [T, P] and beta [T, H] from
+        x [T, d]: two GEMMs where the weights pack (`WeightPack`), else one per projection."""
         linears = self._x_linears()
-        ws = [lin._parameters["weight"] for lin in linears]
-        if x.device.type not in PACK_DEVICES or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
-            return None
-        # the same modules, and weights of the same storage, dtype and shape as when packed
-        key = [(id(lin), w.data_ptr(), w.dtype, w.shape) for lin, w in zip(linears, ws)]
-        if self._packed is not None and key == self._packed_key:
-            return self._packed
-        self._packed = None
-        if self._packings == _MAX_PACKINGS or not all(plain_linear(lin, x) for lin in linears):
-            return None
-        if any(w.dtype != ws[0].dtype for w in ws):
-            return None
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # a graph would replay the packing copy from the freed weights: pack in the warm-up instead
-        with torch.no_grad(), torch.inference_mode(False):
-            packed = torch.cat([w.detach() for w in ws])
-            start = 0
-            for w in ws:  # the same Parameter objects, now views: in-place updates (loading, optimisers) reach it
-                w.data = packed[start : start + w.shape[0]]
-                start += w.shape[0]
-        assert _row_blocks_of(packed, ws)
-        self._packed, self._packings = packed, self._packings + 1
-        self._packed_key = [(id(lin), w.data_ptr(), w.dtype, w.shape) for lin, w in zip(linears, ws)]
-        return packed
-
-    def _x_projections(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """q, k, v [T, P], f_a [T, K], b [T, H], g_a [T, K] (or g [T, P]): one GEMM where `_packed_weight` allows."""
-        linears = self._x_linears()
-        packed = self._packed_weight(x)
+        packed = self._x_pack.weight(linears, x)
         if packed is None:
-            return [lin(x) for lin in linears]
-        y = linear(x, packed)  # automatic, as `layers.Linear`: the Triton GEMV at decode sizes
-        return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
+            q, k, v, f_a, gate, beta = (lin(x) for lin in linears)
+        else:
+            y = linear(x, packed)  # automatic, as `layers.Linear`: the Triton GEMV at decode sizes
+            q, k, v, f_a, gate, beta = y.split([lin.weight.shape[0] for lin in linears], dim=-1)
+        if self.use_full_rank_gate:
+            return q, k, v, self.f_b_proj(f_a), gate, beta
+        second = [self._modules["f_b_proj"], self._modules["g_b_proj"]]
+        if packed is None:  # the halves' inputs lie side by side only in the packed output
+            self._gate_pack.forget_replaced(second)
+            return q, k, v, second[0](f_a), second[1](gate), beta
+        halves = self._gate_pack.weight(second, x)
+        if halves is None:
+            return q, k, v, second[0](f_a), second[1](gate), beta
+        start = sum(lin.weight.shape[0] for lin in linears[:3])
+        g, gate = linear(y[..., start : start + 2 * f_a.shape[-1]], halves).chunk(2, dim=-1)
+        return q, k, v, g, gate, beta
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d].
@@ -139,13 +105,12 @@ class KimiDeltaAttention(nn.Module):
         run takes its own kernels (see `_mix`)."""
         t, (h, k) = x.shape[0], (self.num_heads, self.head_dim)
         conv_state, state, slots = cache.kda_state(self.layer_idx, batch, like=x)
-        q, k_, v, f_a, beta, gate = self._x_projections(x)
+        q, k_, v, g, gate, beta = self._projections(x)
         # the pre-activations of the gate and of beta: the delta-rule kernels apply `kda_gate` and the sigmoid
         # themselves (no separate gate, cast or sigmoid kernels); the conv reads q, k, v as they are (no cat)
-        g = self.f_b_proj(f_a).view(t, h, k)
+        g = g.view(t, h, k)
         outs = [self._mix(run, (q, k_, v), g, beta, conv_state, state, slots, cache) for run in batch.runs()]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
-        gate = gate if self.use_full_rank_gate else self.g_b_proj(gate)
         o = self.o_norm(o, gate.view(t, h, k))
         return self.o_proj(o.reshape(t, h * k))
 
