@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from ..modeling.batch import ForwardBatch, Phase
 from .cache import CacheView, PagedCache
@@ -24,6 +24,7 @@ from .scheduler import ScheduledStep
 
 # The token id padding rows feed (any valid id; its output is never sampled).
 PAD_TOKEN_ID = 0
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 @dataclass
@@ -58,7 +59,8 @@ class Padding:
 
 @dataclass
 class StepFields:
-    """The per-step inputs, as views of one staging buffer (host or device) at a step shape's offsets."""
+    """The per-step inputs, as views of one staging buffer at a step shape's offsets: torch tensors of the device
+    buffer, or numpy arrays of the pinned host buffer (`StepBuffers.host_fields`)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -91,9 +93,14 @@ class StepBuffers:
     def __init__(self, max_seqs: int, max_tokens: int, max_pages: int, device):
         self.max_seqs, self.max_tokens, self.max_pages = max_seqs, max_tokens, max_pages
         self.device = torch.device(device)
+        self._layouts: dict[tuple[int, int, int], tuple] = {}
+        self._device_fields: dict[tuple[int, int, int], StepFields] = {}
         nbytes = self._end(max_tokens, max_seqs, max_tokens)
         self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        # the host side is staged through numpy views: a write costs about a microsecond, a torch op several, and a
+        # decode step's staging is a few dozen small writes on the critical path between two steps
+        self._host_np = self.host_bytes.numpy()
         self._uploaded = None  # CUDA event after the last upload: the host buffer is reused only once it is done
 
     def _offsets(self, t: int, n: int, r: int):
@@ -104,28 +111,48 @@ class StepBuffers:
             yield name, offset, count, dtype
             offset += -(-count * dtype.itemsize // 8) * 8  # every field 8-byte aligned
 
+    def _layout(self, t: int, n: int, r: int) -> tuple:
+        """(name, offset, count, dtype) of every field for a step shape, cached (a few shapes recur every step)."""
+        key = (t, n, r)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if t > self.max_tokens or n > self.max_seqs or r > self.max_tokens:
+                raise ValueError(f"a step of {t} tokens, {n} sequences, {r} rows exceeds the runner's buffers "
+                                 f"({self.max_tokens} tokens, {self.max_seqs} sequences)")  # fmt: skip
+            if len(self._layouts) >= 1024:  # prefill shapes vary; keep the cache bounded
+                self._layouts.clear()
+                self._device_fields.clear()
+            layout = self._layouts[key] = tuple(self._offsets(t, n, r))
+        return layout
+
     def _end(self, t: int, n: int, r: int) -> int:
-        _, offset, count, dtype = list(self._offsets(t, n, r))[-1]
+        _, offset, count, dtype = self._layout(t, n, r)[-1]
         return offset + count * dtype.itemsize
 
-    def fields(self, t: int, n: int, r: int, host: bool = False) -> StepFields:
-        """Views of the host or device buffer for a step of `t` tokens, `n` sequences and `r` logit rows."""
-        if t > self.max_tokens or n > self.max_seqs or r > self.max_tokens:
-            raise ValueError(f"a step of {t} tokens, {n} sequences, {r} rows exceeds the runner's buffers "
-                             f"({self.max_tokens} tokens, {self.max_seqs} sequences)")  # fmt: skip
-        buffer = self.host_bytes if host else self.device_bytes
-        views = {
-            name: buffer[offset : offset + count * dtype.itemsize].view(dtype)
-            for name, offset, count, dtype in self._offsets(t, n, r)
-        }
-        views["block_table"] = views["block_table"].view(n, self.max_pages)
-        return StepFields(**views)
+    def fields(self, t: int, n: int, r: int) -> StepFields:
+        """Views of the device buffer for a step of `t` tokens, `n` sequences and `r` logit rows."""
+        key = (t, n, r)
+        cached = self._device_fields.get(key)
+        if cached is None:
+            views = {
+                name: self.device_bytes[offset : offset + count * dtype.itemsize].view(dtype)
+                for name, offset, count, dtype in self._layout(t, n, r)
+            }
+            views["block_table"] = views["block_table"].view(n, self.max_pages)
+            cached = self._device_fields[key] = StepFields(**views)
+        return cached
 
     def host_fields(self, t: int, n: int, r: int) -> StepFields:
-        """The host views to fill, once the previous upload has left the pinned buffer (normally long done)."""
+        """Numpy views of the pinned host buffer to fill, once the previous upload has left it (normally long done)."""
         if self._uploaded is not None and not self._uploaded.query():
             self._uploaded.synchronize()
-        return self.fields(t, n, r, host=True)
+        host = self._host_np
+        views = {
+            name: host[offset : offset + count * dtype.itemsize].view(_NUMPY[dtype])
+            for name, offset, count, dtype in self._layout(t, n, r)
+        }
+        views["block_table"] = views["block_table"].reshape(n, self.max_pages)
+        return StepFields(**views)
 
     def upload(self, t: int, n: int, r: int) -> None:
         """Copy the step's bytes to the device in one non-blocking copy from pinned memory."""
@@ -164,7 +191,7 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
         # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
         self.graphs = None
-        self._page_rows: dict[int, tuple[object, torch.Tensor]] = {}
+        self._page_rows: dict[int, tuple[object, np.ndarray]] = {}
 
     def run(self, step: ScheduledStep) -> RunnerOutput:
         """Prepare the inputs, run the forward pass, return the logits at the requested rows; commit lengths."""
@@ -201,7 +228,7 @@ class ModelRunner:
             start += m
         host = self.buffers.host_fields(t, n, len(index))
         self._stage_live(host, step, contexts)
-        host.logits_index.copy_(torch.tensor(index, dtype=torch.int64))
+        host.logits_index[:] = index
         if padding is not None:
             self._stage_padding(host, padding, n_live)
         self.buffers.upload(t, n, len(index))
@@ -227,46 +254,46 @@ class ModelRunner:
     def _stage_live(self, host: StepFields, step: ScheduledStep, contexts: list[int]) -> None:
         """Write the scheduled sequences' rows of every field into the host views (vectorised over tokens)."""
         n, t, ps = len(step.requests), step.total_tokens, self.cache.ledger.page_size
-        lens = torch.tensor(step.num_tokens, dtype=torch.int64)
-        ctx = torch.tensor(contexts, dtype=torch.int64)
-        cu = torch.zeros(n + 1, dtype=torch.int64)
-        torch.cumsum(lens, 0, out=cu[1:])
-        host.cu_seqlens[: n + 1].copy_(cu)
-        host.cache_seqlens[:n].copy_(ctx + lens)
+        lens = np.array(step.num_tokens, dtype=np.int64)
+        ctx = np.array(contexts, dtype=np.int64)
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        host.cu_seqlens[: n + 1] = cu
+        host.cache_seqlens[:n] = ctx + lens
         ledger = self.cache.ledger
         blocks = [ledger.seqs[r.request_id] for r in step.requests]
-        host.state_indices[:n].copy_(torch.tensor([b.slot for b in blocks], dtype=torch.int64))
+        host.state_indices[:n] = [b.slot for b in blocks]
         table = host.block_table[:n]
-        table.zero_()  # unused entries: page 0, never read (the kernels stop at each sequence's length)
-        if n:
-            rows = pad_sequence([self._page_row(r.request_id, b) for r, b in zip(step.requests, blocks)], True)
-            table[:, : rows.shape[1]].copy_(rows)
-        host.input_ids[:t].copy_(torch.tensor([tok for ids in step.token_ids for tok in ids], dtype=torch.int64))
-        seq = torch.repeat_interleave(torch.arange(n), lens)
-        positions = torch.arange(t) - cu[:-1][seq] + ctx[seq]
-        host.positions[:t].copy_(positions)
-        host.slot_mapping[:t].copy_(table[seq, positions // ps].long() * ps + positions % ps)
+        table.fill(0)  # unused entries: page 0, never read (the kernels stop at each sequence's length)
+        for row, r, b in zip(table, step.requests, blocks):
+            pages = self._page_row(r.request_id, b)
+            row[: pages.shape[0]] = pages
+        host.input_ids[:t] = [tok for ids in step.token_ids for tok in ids]
+        seq = np.repeat(np.arange(n), lens)
+        positions = np.arange(t) - cu[:-1][seq] + ctx[seq]
+        host.positions[:t] = positions
+        host.slot_mapping[:t] = table[seq, positions // ps].astype(np.int64) * ps + positions % ps
 
     def _stage_padding(self, host: StepFields, padding: Padding, n_live: int) -> None:
         """Rows n_live.. of `padding`'s shape: sequences of only their own new tokens on the padding page/slot."""
         q, n, ps = padding.tokens_per_seq, padding.batch, self.cache.ledger.page_size
         t0 = n_live * q
-        within = torch.arange(n * q - t0) % q
-        host.input_ids[t0:].fill_(PAD_TOKEN_ID)
-        host.positions[t0:].copy_(within)
-        host.slot_mapping[t0:].copy_(padding.page * ps + within)
-        host.cu_seqlens[n_live + 1 :].copy_(torch.arange(n_live + 1, n + 1) * q)
-        host.cache_seqlens[n_live:].fill_(q)
-        host.state_indices[n_live:].fill_(padding.slot)
-        host.block_table[n_live:].fill_(padding.page)
+        within = np.arange(n * q - t0) % q
+        host.input_ids[t0:] = PAD_TOKEN_ID
+        host.positions[t0:] = within
+        host.slot_mapping[t0:] = padding.page * ps + within
+        host.cu_seqlens[n_live + 1 :] = np.arange(n_live + 1, n + 1) * q
+        host.cache_seqlens[n_live:] = q
+        host.state_indices[n_live:] = padding.slot
+        host.block_table[n_live:] = padding.page
 
-    def _page_row(self, seq_id: int, blocks) -> torch.Tensor:
-        """A sequence's page ids as an int32 host tensor, built once per admission (pages never change after)."""
+    def _page_row(self, seq_id: int, blocks) -> np.ndarray:
+        """A sequence's page ids as an int32 array, built once per admission (pages never change after)."""
         cached = self._page_rows.get(seq_id)
         if cached is None or cached[0] is not blocks:
             if len(self._page_rows) > 4 * max(len(self.cache.ledger.seqs), 1):  # drop released sequences
                 self._page_rows = {s: v for s, v in self._page_rows.items() if self.cache.ledger.seqs.get(s) is v[0]}
-            cached = (blocks, torch.tensor(blocks.pages, dtype=torch.int32))
+            cached = (blocks, np.array(blocks.pages, dtype=np.int32))
             self._page_rows[seq_id] = cached
         return cached[1]
 
