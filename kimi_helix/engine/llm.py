@@ -310,7 +310,11 @@ class LLM:
         per_request: dict[int, list[int]] = {}
         if draws:
             picked = [step.requests[i] for i, _ in draws]
-            rows = out.logits[torch.tensor([j for _, j in draws]).to(out.logits.device, non_blocking=True)]
+            picked_rows = [j for _, j in draws]
+            if picked_rows == list(range(out.logits.shape[0])):  # every row, in order: no gather
+                rows = out.logits
+            else:
+                rows = out.logits[torch.tensor(picked_rows).to(out.logits.device, non_blocking=True)]
             sampled = sample(rows, [r.params for r in picked], [r.generator for r in picked])
             if self.comm is not None:  # every rank continues with rank 0's draws (unseeded RNGs differ)
                 sampled = self.comm.broadcast(sampled)

@@ -194,6 +194,8 @@ def sample(
 
     greedy = [i for i, p in enumerate(params) if p.greedy]
     rand = [i for i, p in enumerate(params) if not p.greedy]
+    if not rand:  # all greedy (plain decoding's usual batch): one argmax, no row indices to copy over
+        return logits.argmax(dim=-1)
     if greedy:
         rows = torch.tensor(greedy).to(device, non_blocking=True)
         out[rows] = logits[rows].argmax(dim=-1)
