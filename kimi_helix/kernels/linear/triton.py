@@ -23,7 +23,17 @@ from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import num_sms, triton_devices
 from kimi_helix.kernels.launch import cdiv
 
-__all__ = ["CAPS", "MAX_ROWS", "MAX_WEIGHTS", "Tile", "default_tile", "linear_triton", "split_count", "workspace"]
+__all__ = [
+    "CAPS",
+    "MAX_ROWS",
+    "MAX_WEIGHTS",
+    "Tile",
+    "default_tile",
+    "linear_triton",
+    "split_count",
+    "split_plan",
+    "workspace",
+]
 
 # One BLOCK_M tile of rows per program: the kernel serves at most MAX_ROWS rows (larger batches go to the GEMM
 # library, whose tiles fit them); up to MAX_WEIGHTS weights per launch.
@@ -112,6 +122,13 @@ def split_count(tiles: int, k: int, block_k: int, device_index: int | None) -> i
     return max(1, min(cdiv(TARGET_WAVES * sms, tiles), k // max(MIN_SPLIT_K, block_k)))
 
 
+def split_plan(k: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(depth of a split, splits) for at most `splits` splits of depth k: BLOCK_K-aligned depths, so only the last
+    split is ragged, and no split is empty (K=300, 5 splits of BLOCK_K=128 are 3: 128, 128 and 44)."""
+    depth = cdiv(cdiv(k, splits), block_k) * block_k
+    return depth, cdiv(k, depth)
+
+
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -181,8 +198,7 @@ def linear_triton(
     tile = tile or default_tile(sum(ns), x.device.index)
     tiles = [cdiv(n, tile.block_n) for n in ns]
     splits = splits or split_count(sum(tiles), k, tile.block_k, x.device.index)
-    split_k = cdiv(cdiv(k, splits), tile.block_k) * tile.block_k  # BLOCK_K-aligned, so only the last is ragged
-    splits = cdiv(k, split_k)
+    split_k, splits = split_plan(k, splits, tile.block_k)
     part, ticket = workspace(x.device) if splits > 1 else (out, out)  # unread without splits
     if splits > 1 and (sum(tiles) > ticket.numel() or sum(tiles) * splits * tile.block_n > part.numel() // MAX_ROWS):
         raise ValueError(
