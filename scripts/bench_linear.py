@@ -60,10 +60,11 @@ def parse_tile(text: str) -> Tile:
     return Tile(block_n=n, block_k=k, num_warps=w, num_stages=s)
 
 
-def auto_splits(shapes: list[tuple[int, int]], tile: Tile | None, device) -> int:
+def auto_splits(shapes: list[tuple[int, int]], tile: Tile | None, dtype: torch.dtype, device) -> int:
     """The K splits `linear_triton` picks for one launch of `shapes` with `tile` (None: its default tile)."""
     tile = tile or default_tile(sum(n for n, _ in shapes), device.index)
-    return split_count(sum(cdiv(n, tile.block_n) for n, _ in shapes), shapes[0][1], tile.block_k, device.index)
+    tiles = sum(cdiv(n, tile.block_n) for n, _ in shapes)
+    return split_count(tiles, shapes[0][1], tile, dtype.itemsize, device.index)
 
 
 def bench_shape(row: dict, x, weights, variants, nbytes: int, device) -> list[str]:
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     tiles = [None, *(parse_tile(t) for t in tile_names[1:])]
     split_list = [None, *(int(s) for s in filter(None, args.splits.split(",")))]
     variants = [
-        (t_name if s is None else f"{t_name}/s{s}", tile, s)
+        (t_name if s is None else f"{t_name}_s{s}", tile, s)
         for t_name, tile in zip(tile_names, tiles)
         for s in split_list
     ]
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, shapes in projections(args.preset).items():
             if only and name not in only:
                 continue
-            splits = "/".join(str(auto_splits(shapes, tile, device)) for tile in tiles)
+            splits = "/".join(str(auto_splits(shapes, tile, dtype, device)) for tile in tiles)
             nbytes = sum(n * k for n, k in shapes) * dtype.itemsize
             ring = max(1, min(64, RING_BYTES // nbytes)) if device.type == "cuda" else 1
             weights = [[torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for n, k in shapes] for _ in range(ring)]

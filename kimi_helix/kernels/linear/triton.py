@@ -40,12 +40,15 @@ __all__ = [
 MAX_ROWS = 16
 MAX_WEIGHTS = 3
 CAPS = OpCaps(triton_devices(), FLOATS, max_rows=MAX_ROWS)
-# Split-K: column tiles below FILL_WAVES waves of the SMs are split until the programs reach TARGET_WAVES waves,
-# each split at least MIN_SPLIT_K deep (shorter ones spend more on the partials and tickets than they save).
-FILL_WAVES = 2
-TARGET_WAVES = 3
+# Split-K (`split_count`): a launch of fewer column tiles than SMs is bound by the bytes its busiest SM streams;
+# splitting K cuts them and costs a fixed SPLIT_BYTES plus PARTIAL_BYTES a split, in bytes that SM could have
+# streamed meanwhile (fitted to the H200 sweep of scripts/bench_linear.py: ~0.75 us and ~0.25 us at ~30 GB/s an SM).
+# Splits are at least MIN_SPLIT_K deep.
+SPLIT_BYTES = 24 << 10
+PARTIAL_BYTES = 7 << 10
 MIN_SPLIT_K = 512
-# The workspace holds WORKSPACE_WAVES waves of programs' partials of up to 64 columns, and a counter for each.
+# The workspace holds WORKSPACE_WAVES waves of programs' partials of up to WORKSPACE_COLS columns, and a counter
+# for each; split_count stays within it.
 WORKSPACE_WAVES = 8
 WORKSPACE_COLS = 64
 
@@ -113,13 +116,22 @@ def default_tile(total_cols: int, device_index: int | None) -> Tile:
     return Tile(block_n=32, block_k=256)
 
 
-def split_count(tiles: int, k: int, block_k: int, device_index: int | None) -> int:
-    """K splits for a launch of `tiles` column tiles over depth k: 1 where the tiles alone fill FILL_WAVES waves
-    of the SMs, else enough for TARGET_WAVES waves, each split at least MIN_SPLIT_K (and one BLOCK_K) deep."""
+def split_count(tiles: int, k: int, tile: Tile, itemsize: int, device_index: int | None) -> int:
+    """K splits for a launch of `tiles` column tiles of `tile` over depth k and weights of `itemsize` bytes: 1
+    where the tiles fill the SMs, else the count of least cost, the weight bytes of the busiest SM (its programs
+    times their depth) plus the split's overheads (SPLIT_BYTES, PARTIAL_BYTES a split). At H200 shapes: KDA o_proj
+    (72 tiles, K=4096) 3, f_a + g_a (8 tiles, K=2304) and MLA kv_a (18) 5, the shared experts' down (72, K=1024) 1."""
     sms = num_sms(device_index)
-    if tiles >= FILL_WAVES * sms:
+    if tiles >= sms or tile.block_n > WORKSPACE_COLS:
         return 1
-    return max(1, min(cdiv(TARGET_WAVES * sms, tiles), k // max(MIN_SPLIT_K, block_k)))
+    col_bytes = tile.block_n * itemsize
+    best, best_cost = 1, k * col_bytes
+    for want in range(2, min(cdiv(k, MIN_SPLIT_K), WORKSPACE_WAVES * sms // tiles) + 1):
+        depth, splits = split_plan(k, want, tile.block_k)
+        cost = cdiv(tiles * splits, sms) * depth * col_bytes + SPLIT_BYTES + splits * PARTIAL_BYTES
+        if splits == want and depth >= MIN_SPLIT_K and cost < best_cost:
+            best, best_cost = splits, cost
+    return best
 
 
 def split_plan(k: int, splits: int, block_k: int) -> tuple[int, int]:
@@ -197,7 +209,7 @@ def linear_triton(
         return out.zero_()
     tile = tile or default_tile(sum(ns), x.device.index)
     tiles = [cdiv(n, tile.block_n) for n in ns]
-    splits = splits or split_count(sum(tiles), k, tile.block_k, x.device.index)
+    splits = splits or split_count(sum(tiles), k, tile, x.element_size(), x.device.index)
     split_k, splits = split_plan(k, splits, tile.block_k)
     part, ticket = workspace(x.device) if splits > 1 else (out, out)  # unread without splits
     if splits > 1 and (sum(tiles) > ticket.numel() or sum(tiles) * splits * tile.block_n > part.numel() // MAX_ROWS):

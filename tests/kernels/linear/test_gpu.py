@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimi_helix.kernels.launch import cdiv
 from kimi_helix.kernels.linear import linear_ref
-from kimi_helix.kernels.linear.triton import linear_triton, workspace
+from kimi_helix.kernels.linear.triton import default_tile, linear_triton, split_count, workspace
 
 from ..conftest import DEVICE, TOL, assert_rel_close, rnd
 
@@ -47,6 +48,9 @@ def test_gpu_split_k_graph_replay_equals_eager(name):
     into its input buffer: each replay bitwise equal to the eager call on that input, counters zero after."""
     ws = weights(SHAPES[name], seed=21)
     x = rnd(4, ws[0].shape[1], seed=22, dtype=torch.bfloat16)
+    tile = default_tile(sum(w.shape[0] for w in ws), x.device.index)
+    tiles = sum(cdiv(w.shape[0], tile.block_n) for w in ws)
+    assert split_count(tiles, x.shape[-1], tile, 2, x.device.index) > 1, "the automatic choice does not split here"
     eager = linear_triton(x, ws)
     assert torch.equal(eager, linear_triton(x, ws)), "split-K is not deterministic"
     assert_rel_close("eager", eager, linear_ref(x.float(), [w.float() for w in ws]), TOL[torch.bfloat16])

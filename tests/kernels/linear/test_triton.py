@@ -87,16 +87,22 @@ def test_split_k_several_weights_and_strided_rows():
 
 
 def test_split_plan_and_count():
-    """Aligned split depths with no empty split; splits where the column tiles leave an H200's 132 SMs idle
-    (KDA o_proj: 72 tiles, f_a + g_a: 8, MLA kv_a: 18), none where they fill it or K is short (f_b: K=128)."""
-    assert (
-        split_plan(300, 5, 128) == (128, 3) and split_plan(4096, 6, 256) == (768, 6) and split_plan(40, 4, 64)[1] == 1
-    )
-    assert split_count(72, 4096, 256, None) == 6
-    assert split_count(8, 2304, 256, None) == 4 and split_count(18, 2304, 256, None) == 4
-    assert split_count(128, 128, 256, None) == 1 and split_count(2 * 132, 4096, 256, None) == 1
+    """Aligned split depths with no empty split; splits where the column tiles leave an H200's 132 SMs idle and
+    the busiest SM's bytes drop by more than the overheads (KDA o_proj: 72 tiles, K=4096; f_a + g_a: 8, MLA kv_a:
+    18, K=2304), none where the tiles fill the SMs, K is short (f_b: K=128) or a split saves too little (the
+    shared experts' down: 72 tiles, K=1024); an automatic split launch gives the reference's result."""
+    assert split_plan(300, 5, 128) == (128, 3) and split_plan(4096, 6, 256) == (768, 6)
+    assert split_plan(40, 4, 64) == (64, 1)
+    tile = Tile(32, 256)
+    assert split_count(72, 4096, tile, 2, None) == 3
+    assert split_count(8, 2304, tile, 2, None) == 5 and split_count(18, 2304, tile, 2, None) == 5
+    assert split_count(72, 1024, tile, 2, None) == 1 and split_count(128, 128, tile, 2, None) == 1
+    assert split_count(132, 4096, tile, 2, None) == 1 and split_count(8, 2304, Tile(128, 64), 2, None) == 1
     x, w = rnd(1, 1024, seed=37), rnd(40, 1024, seed=38)
-    assert_rel_close("auto split", linear_triton(x, w), linear_ref(x, w), TOL[torch.float32])
+    assert split_count(2, 1024, default_tile(40, None), 4, None) == 2
+    y = linear_triton(x, w)
+    assert_rel_close("auto split", y, linear_ref(x, w), TOL[torch.float32])
+    assert not workspace(x.device)[1].any()
 
 
 def test_switch_sends_more_rows_to_the_reference():
