@@ -1,3 +1,4 @@
+import io
 import json
 import os
 import subprocess
@@ -283,20 +284,14 @@ def evil_folder(root: Path, tiny_ckpt: Path) -> Path:
     return folder
 
 
-def test_generate_never_runs_a_checkpoint_tokenizer_code(tmp_path, tiny_ckpt):
+def test_generate_never_runs_a_checkpoint_tokenizer_code(capsys, tmp_path, tiny_ckpt, monkeypatch):
     folder = evil_folder(tmp_path, tiny_ckpt)
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_helix", "generate", "--model", str(folder), "--prompt", "hi"],
-        cwd=REPO,
-        input="y\ny\n",
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\ny\n"))  # yes to any trust_remote_code prompt
+    code, out, err = run(capsys, "generate", "--model", str(folder), "--prompt", "hi")
+    assert code == 2
     assert not (folder / "PWNED").exists()
-    assert "tokenizer_config.json has an auto_map" in proc.stderr and "trust_remote_code=False" in proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "tokenizer_config.json has an auto_map" in err and "trust_remote_code=False" in err
+    assert "Traceback" not in err and out == ""
 
 
 def test_generate_checks_prompt_plus_new_tokens_against_the_model_limit(capsys, tmp_path, tiny_ckpt):

@@ -11,9 +11,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from kimi_helix.evals.__main__ import main  # noqa: E402
-
-from .test_gpqa import synthetic_rows, write_csv  # noqa: E402
+from .conftest import gpqa_args  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,16 +27,6 @@ def per_doc(out: Path) -> dict:
     # resps: per choice [[logprob, is_greedy]], logged as strings
     rows = map(json.loads, samples.read_text().splitlines())
     return {s["doc_id"]: (s["doc"]["answer"], [float(r[0][0]) for r in s["resps"]]) for s in rows}
-
-
-def gpqa_args(checkpoint, data, extra_model_args=""):
-    args = [
-        "--model",
-        "kimi_helix",
-        "--model_args",
-        f"pretrained={checkpoint},dtype=float32,device=cpu{extra_model_args}",
-    ]
-    return [*args, "--tasks", "gpqa_main_zeroshot", "--gpqa-data", str(data), "--log_samples"]
 
 
 def torchrun(args, out: Path) -> subprocess.CompletedProcess:
@@ -57,27 +45,24 @@ def torchrun(args, out: Path) -> subprocess.CompletedProcess:
     return run
 
 
-def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoint, tmp_path):
-    data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(5))
-    args = gpqa_args(tiny_checkpoint, data)
-    run = torchrun(args, tmp_path / "dp")
+def test_two_processes_split_requests_and_gather_the_same_results(tiny_checkpoint, gpqa_run, tmp_path):
+    _, data, one = gpqa_run
+    run = torchrun(gpqa_args(tiny_checkpoint, data), tmp_path / "dp")
     assert "on rank 1" in run.stderr
     # Rank 0 scores 3 of the 5 documents' 4 choices (rank 1 two, padded to as many requests), not all 20.
     assert "loglikelihood: 100%" in run.stderr and "12/12" in run.stderr and "20/20" not in run.stderr
-    assert main([*args, "--output_path", str(tmp_path / "one")]) == 0
-    parallel, single = per_doc(tmp_path / "dp"), per_doc(tmp_path / "one")
+    parallel, single = per_doc(tmp_path / "dp"), per_doc(one)
     assert sorted(parallel) == list(range(5))
     for doc_id, (answer, resps) in single.items():
         assert parallel[doc_id][0] == answer
         assert parallel[doc_id][1] == pytest.approx(resps, abs=1e-5)
 
 
-def test_tensor_parallel_run_equals_one_process(tiny_checkpoint, tmp_path):
-    data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(4))
+def test_tensor_parallel_run_equals_one_process(tiny_checkpoint, gpqa_run, tmp_path):
+    _, data, one = gpqa_run
     torchrun(gpqa_args(tiny_checkpoint, data, ",tp=2"), tmp_path / "tp")
-    assert main([*gpqa_args(tiny_checkpoint, data), "--output_path", str(tmp_path / "one")]) == 0
-    sharded, single = per_doc(tmp_path / "tp"), per_doc(tmp_path / "one")
-    assert sorted(sharded) == sorted(single) == list(range(4))
+    sharded, single = per_doc(tmp_path / "tp"), per_doc(one)
+    assert sorted(sharded) == sorted(single) == list(range(5))
     for doc_id, (answer, resps) in single.items():
         assert sharded[doc_id][0] == answer
         assert sharded[doc_id][1] == pytest.approx(resps, abs=1e-4)

@@ -1,6 +1,5 @@
 """GPQA through `python -m kimi_helix.evals --gpqa-data FILE`: lm-eval's own task config on a local file."""
 
-import csv
 import json
 import random
 
@@ -14,31 +13,7 @@ from lm_eval.tasks.gpqa.zeroshot.utils import process_docs  # noqa: E402
 from kimi_helix.evals import gpqa  # noqa: E402
 from kimi_helix.evals.__main__ import main  # noqa: E402
 
-COLUMNS = [*gpqa.REQUIRED_COLUMNS, "Record ID", "Subdomain"]
-
-
-def synthetic_rows(n=5):
-    """Made-up questions in GPQA's columns (numeric answers too: they must stay text)."""
-    return [
-        {
-            "Question": f"A box holds {i} red and {i + 2} blue balls. How many balls are in it?",
-            "Correct Answer": str(2 * i + 2),
-            "Incorrect Answer 1": str(2 * i + 3),
-            "Incorrect Answer 2": f"{i} balls  [title] none",
-            "Incorrect Answer 3": "It cannot be known",
-            "Record ID": f"rec{i:03d}",
-            "Subdomain": "Arithmetic",
-        }
-        for i in range(1, n + 1)
-    ]
-
-
-def write_csv(path, rows, columns=COLUMNS):
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
+from .conftest import GPQA_COLUMNS, synthetic_rows, write_csv  # noqa: E402
 
 
 @pytest.fixture
@@ -47,14 +22,8 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
 
-def test_gpqa_main_zeroshot_from_a_local_csv(tiny_checkpoint, tmp_path, offline):
-    rows = synthetic_rows()
-    data = write_csv(tmp_path / "gpqa.csv", rows)
-    out = tmp_path / "out"
-    model_args = f"pretrained={tiny_checkpoint},dtype=float32,device=cpu"
-    argv = ["--model", "kimi_helix", "--model_args", model_args, "--tasks", "gpqa_main_zeroshot"]
-    assert main([*argv, "--gpqa-data", str(data), "--output_path", str(out), "--log_samples"]) == 0
-
+def test_gpqa_main_zeroshot_from_a_local_csv(gpqa_run):
+    rows, _, out = gpqa_run
     [results_file] = out.rglob("results_*.json")
     metrics = json.loads(results_file.read_text())["results"]["gpqa_main_zeroshot"]
     assert 0 <= metrics["acc,none"] <= 1 and 0 <= metrics["acc_norm,none"] <= 1
@@ -74,7 +43,7 @@ def test_gpqa_main_zeroshot_from_a_local_csv(tiny_checkpoint, tmp_path, offline)
 
 
 def test_missing_column_is_named(tmp_path, capsys):
-    columns = [c for c in COLUMNS if c != "Incorrect Answer 2"]
+    columns = [c for c in GPQA_COLUMNS if c != "Incorrect Answer 2"]
     data = write_csv(tmp_path / "gpqa.csv", synthetic_rows(), columns)
     assert main(["--model", "kimi_helix", "--tasks", "gpqa_main_zeroshot", "--gpqa-data", str(data)]) == 2
     assert "'Incorrect Answer 2'" in capsys.readouterr().err

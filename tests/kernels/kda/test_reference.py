@@ -11,7 +11,8 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 from kimi_helix.kernels.kda import kda_gate, l2norm, naive_chunk_kda, naive_recurrent_kda
 
-from ..conftest import assert_rel_close, kda_prefill_then_decode
+from ..conftest import assert_rel_close
+from .conftest import kda_prefill_then_decode
 
 # The decorated HF functions dispatch to fla when it is installed; unwrap to always compare against their torch code.
 hf_recurrent = inspect.unwrap(hf.recurrent_kimi_delta_attention)

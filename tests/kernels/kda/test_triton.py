@@ -11,8 +11,8 @@ from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kd
 from kimi_helix.kernels.kda.chunk import chunk_kda_triton
 from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
 
-from ..conftest import DEVICE, TOL, assert_rel_close, cu_seqlens, kda_prefill_then_decode, make_kda_inputs
-from .conftest import H_R, K_R, V_R, H, K, V, make_recurrent_inputs
+from ..conftest import DEVICE, TOL, assert_rel_close, cu_seqlens
+from .conftest import H_R, K_R, V_R, H, K, V, kda_prefill_then_decode, make_kda_inputs, make_recurrent_inputs
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
