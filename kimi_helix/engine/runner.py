@@ -164,7 +164,6 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
         # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
         self.graphs = None
-        self._page_rows: dict[int, tuple[object, torch.Tensor]] = {}
 
     def run(self, step: ScheduledStep) -> RunnerOutput:
         """Prepare the inputs, run the forward pass, return the logits at the requested rows; commit lengths."""
@@ -234,12 +233,12 @@ class ModelRunner:
         host.cu_seqlens[: n + 1].copy_(cu)
         host.cache_seqlens[:n].copy_(ctx + lens)
         ledger = self.cache.ledger
-        blocks = [ledger.seqs[r.request_id] for r in step.requests]
+        blocks = [ledger.map(r.request_id, c + m) for r, c, m in zip(step.requests, contexts, step.num_tokens)]
         host.state_indices[:n].copy_(torch.tensor([b.slot for b in blocks], dtype=torch.int64))
         table = host.block_table[:n]
         table.zero_()  # unused entries: page 0, never read (the kernels stop at each sequence's length)
         if n:
-            rows = pad_sequence([self._page_row(r.request_id, b) for r, b in zip(step.requests, blocks)], True)
+            rows = pad_sequence([b.table_row() for b in blocks], True)
             table[:, : rows.shape[1]].copy_(rows)
         host.input_ids[:t].copy_(torch.tensor([tok for ids in step.token_ids for tok in ids], dtype=torch.int64))
         seq = torch.repeat_interleave(torch.arange(n), lens)
@@ -259,16 +258,6 @@ class ModelRunner:
         host.cache_seqlens[n_live:].fill_(q)
         host.state_indices[n_live:].fill_(padding.slot)
         host.block_table[n_live:].fill_(padding.page)
-
-    def _page_row(self, seq_id: int, blocks) -> torch.Tensor:
-        """A sequence's page ids as an int32 host tensor, built once per admission (pages never change after)."""
-        cached = self._page_rows.get(seq_id)
-        if cached is None or cached[0] is not blocks:
-            if len(self._page_rows) > 4 * max(len(self.cache.ledger.seqs), 1):  # drop released sequences
-                self._page_rows = {s: v for s, v in self._page_rows.items() if self.cache.ledger.seqs.get(s) is v[0]}
-            cached = (blocks, torch.tensor(blocks.pages, dtype=torch.int32))
-            self._page_rows[seq_id] = cached
-        return cached[1]
 
     @staticmethod
     def _logit_tokens(request, phase: Phase, context: int, n: int) -> range:
