@@ -147,6 +147,8 @@ class PageLedger:
         """Keep the first `num_keep` cached tokens of `seq_id`: its length, and the pages covering them (the pages
         past them go back to the free list; the reservation stays)."""
         blocks = self.seqs[seq_id]
+        if not 0 <= num_keep <= blocks.length:
+            raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
         keep = cdiv(num_keep, self.page_size)
         self._give(blocks.pages[keep:])
         del blocks.pages[keep:]

@@ -51,6 +51,8 @@ def test_pages_are_mapped_lazily_freed_at_truncate_and_reused():
     with pytest.raises(ValueError, match="tokens=15 for sequence 0 exceeds the 14 tokens it reserved"):
         ledger.map(0, 15)
     blocks.length = 10
+    with pytest.raises(ValueError, match="num_keep must be in"):
+        ledger.truncate(0, 11)
     ledger.truncate(0, 5)  # pages 0 and 1 still hold tokens 0..4
     assert len(blocks.pages) == 2 and blocks.length == 5 and ledger.pages_in_use == 2
     freed = ledger.free_pages[-1]
