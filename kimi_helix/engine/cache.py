@@ -5,7 +5,8 @@ layer (`modeling/paged_mla.py`).
 
 One `PageLedger` owns every page and every state slot, so later extensions change one place: Helix shards the
 ledger (page b of a sequence lives on rank b % cp) and speculative decoding appends 1+k tokens and then truncates
-to the accepted length (`rollback`, which restores KDA states from the verify step's per-token states).
+to the accepted length (`rollback`, which returns the pages past it and restores KDA states from the verify step's
+per-token states). Pages are reserved at admission and mapped as the cached length grows (`PageLedger`).
 """
 
 from __future__ import annotations
@@ -64,15 +65,39 @@ class _VerifyRun:
 
 @dataclass
 class SequenceBlocks:
-    """A sequence's share of the cache: its page ids in order, its state slot and cached length."""
+    """A sequence's share of the cache: its state slot, the pages mapped so far in order, its cached length and the
+    tokens it reserved at admission.
+
+    row: [pages reserved] int32 host mirror of `pages` (entries past the mapped ones are stale), kept by the
+    ledger so that staging a step's block table builds no tensor from a list."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    reserve_tokens: int = 0
+    row: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32), repr=False)
+
+    def table_row(self) -> torch.Tensor:
+        """[len(pages)] int32 host page ids: the sequence's block-table row."""
+        return self.row[: len(self.pages)]
 
 
 class PageLedger:
-    """Free lists of pages and state slots, and each sequence's `SequenceBlocks`."""
+    """Free lists of pages and state slots, and each sequence's `SequenceBlocks`.
+
+    Pages are reserved at admission and mapped as the cached length needs them:
+    - `admit` reserves the sequence's worst case, `pages_for(reserve_tokens)` pages, as a count (`reserved_pages`
+      sums them over the admitted sequences) and maps none;
+    - `map(seq_id, tokens)` takes from the free list the pages covering its first `tokens` tokens, before a step
+      writes them (the runner for every step, `CacheView` for a pass outside it); never past the reservation;
+    - `truncate` (a rollback) returns the pages wholly past the kept length; the reservation stays, so the next
+      tokens map pages again;
+    - `release` returns the sequence's pages, slot and reservation.
+    Each sequence maps at most the pages it reserved and the reservations sum to at most `num_pages`, so the free
+    list always holds every running sequence's unmapped rest: a running sequence never waits for a page.
+    `can_admit` therefore counts unreserved pages, not free ones (a free page may be promised to a running
+    sequence), and `pages_in_use` counts mapped pages.
+    """
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int):
         self.page_size = page_size
@@ -81,32 +106,71 @@ class PageLedger:
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.seqs: dict[int, SequenceBlocks] = {}
+        self.reserved_pages = 0
 
     def pages_for(self, tokens: int) -> int:
+        """Pages this ledger reserves for a sequence of `tokens` tokens."""
         return cdiv(tokens, self.page_size)
 
     def can_admit(self, reserve_tokens: int) -> bool:
-        return bool(self.free_slots) and len(self.free_pages) >= self.pages_for(reserve_tokens)
+        return bool(self.free_slots) and self.num_pages - self.reserved_pages >= self.pages_for(reserve_tokens)
 
-    def admit(self, seq_id: int, reserve_tokens: int) -> SequenceBlocks:
-        """Give `seq_id` a state slot and every page it can ever need (so a running sequence never waits)."""
+    def admit(self, seq_id: int, reserve_tokens: int, map_now: bool = False) -> SequenceBlocks:
+        """Give `seq_id` a state slot and reserve every page it can ever need (so a running sequence never waits);
+        `map_now` maps them at once (the CUDA graphs' scratch sequence, whose page the padding rows write)."""
         if not self.can_admit(reserve_tokens):
             raise RuntimeError(
                 f"cannot admit sequence {seq_id}: no free slot or fewer than "
-                f"{self.pages_for(reserve_tokens)} free pages"
+                f"{self.pages_for(reserve_tokens)} unreserved pages"
             )
-        blocks = SequenceBlocks(slot=self.free_slots.pop())
-        blocks.pages = [self.free_pages.pop() for _ in range(self.pages_for(reserve_tokens))]
+        row = torch.zeros(cdiv(reserve_tokens, self.page_size), dtype=torch.int32)
+        blocks = SequenceBlocks(slot=self.free_slots.pop(), reserve_tokens=reserve_tokens, row=row)
         self.seqs[seq_id] = blocks
+        self.reserved_pages += self.pages_for(reserve_tokens)
+        return self.map(seq_id, reserve_tokens) if map_now else blocks
+
+    def map(self, seq_id: int, tokens: int) -> SequenceBlocks:
+        """Map the pages covering the first `tokens` tokens of `seq_id` (those already mapped stay)."""
+        blocks = self.seqs[seq_id]
+        if tokens > blocks.reserve_tokens:
+            raise ValueError(
+                f"tokens={tokens} for sequence {seq_id} exceeds the {blocks.reserve_tokens} tokens it reserved"
+            )
+        have, need = len(blocks.pages), cdiv(tokens, self.page_size)
+        if need > have:
+            new = self._take(have, need)
+            blocks.pages.extend(new)
+            blocks.row[have:need] = torch.tensor(new, dtype=torch.int32)
         return blocks
+
+    def truncate(self, seq_id: int, num_keep: int) -> None:
+        """Keep the first `num_keep` cached tokens of `seq_id`: its length, and the pages covering them (the pages
+        past them go back to the free list; the reservation stays)."""
+        blocks = self.seqs[seq_id]
+        if not 0 <= num_keep <= blocks.length:
+            raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
+        keep = cdiv(num_keep, self.page_size)
+        self._give(blocks.pages[keep:])
+        del blocks.pages[keep:]
+        blocks.length = num_keep
 
     def release(self, seq_id: int) -> None:
         blocks = self.seqs.pop(seq_id)
-        self.free_pages.extend(reversed(blocks.pages))
+        self._give(blocks.pages)
         self.free_slots.append(blocks.slot)
+        self.reserved_pages -= self.pages_for(blocks.reserve_tokens)
+
+    def _take(self, start: int, stop: int) -> list[int]:
+        """Page ids for a sequence's pages start .. stop - 1, from the free list."""
+        return [self.free_pages.pop() for _ in range(start, stop)]
+
+    def _give(self, pages: list[int]) -> None:
+        """Return a sequence's `pages` to the free list (last first, so the next `_take` reuses them in order)."""
+        self.free_pages.extend(reversed(pages))
 
     @property
     def pages_in_use(self) -> int:
+        """Mapped pages (reserved but unmapped ones are free)."""
         return self.num_pages - len(self.free_pages)
 
 
@@ -172,28 +236,28 @@ class PagedCache:
         )
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
-        """[N, width] int32 host page ids of the sequences (rows padded with page 0, never read); width defaults to
-        the longest row."""
+        """[N, width] int32 host ids of the sequences' mapped pages (rows padded with page 0, never read); width
+        defaults to the most pages any of them reserved (so it does not change as pages are mapped)."""
         blocks = [self.ledger.seqs[s] for s in seq_ids]
-        width = width or max(len(b.pages) for b in blocks)
+        width = width or max(len(b.row) for b in blocks)
         table = torch.zeros(len(blocks), width, dtype=torch.int32)
         for i, b in enumerate(blocks):
-            table[i, : len(b.pages)] = torch.tensor(b.pages, dtype=torch.int32)
+            table[i, : len(b.pages)] = b.table_row()
         return table
 
     def view(self, seq_ids: list[int], backend: str | None = None) -> CacheView:
-        """The cache for one pass over `seq_ids`, addressing built on the fly (the runner builds its own): the block
-        table and state slots go over in one copy."""
+        """The cache for passes over `seq_ids` outside the runner (which builds its own addressing): each pass maps
+        the pages its tokens need and builds its block table, lengths and token slots on the fly."""
         device = next(iter({**self.pages, **self.conv}.values())).device
-        table = self.block_table(seq_ids).long()
-        slots = torch.tensor([[self.ledger.seqs[s].slot] for s in seq_ids], dtype=torch.long)
-        packed = torch.cat([table, slots], dim=1).to(device, non_blocking=True)
-        return CacheView(self, seq_ids, packed[:, :-1].int(), packed[:, -1].contiguous(), backend=backend)
+        slots = torch.tensor([self.ledger.seqs[s].slot for s in seq_ids], dtype=torch.long)
+        return CacheView(self, seq_ids, None, slots.to(device, non_blocking=True), backend=backend)
 
     def rollback(self, seq_id: int, num_keep: int) -> None:
         """Keep the first `num_keep` cached tokens of `seq_id` (after a verify step accepted fewer than it wrote).
 
-        MLA: the length shrinks; the dropped slots are overwritten by the next tokens. KDA: the recurrent state
+        MLA: the length shrinks and the pages wholly past it (index >= cdiv(num_keep, page_size)) go back to the
+        free list (`PageLedger.truncate`; the sequence keeps its reservation, and the next tokens map pages again);
+        the dropped slots of the last kept page are overwritten by the next tokens. KDA: the recurrent state
         becomes the one the verify step saved after the last kept token, and the conv state the last W-1 inputs
         up to it (`verify_records`); only the last step's verify group can be cut back, to >= 1 of its tokens."""
         blocks = self.ledger.seqs[seq_id]
@@ -216,7 +280,7 @@ class PagedCache:
                     conv = self.conv[layer]
                     conv[blocks.slot].copy_(torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :])
                     self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
-        blocks.length = num_keep
+        self.ledger.truncate(seq_id, num_keep)
 
     def _cut_stacked(self, slot: int, row: int, seq: int, kept: int) -> None:
         """Every KDA layer's state of `slot` after the first `kept` tokens of the group at scratch `row` (conv
@@ -237,7 +301,8 @@ class CacheView:
     Args:
         cache: the storage.
         seq_ids: the batch's sequences, in its order.
-        block_table: [N, max_pages] int32 device page ids per sequence.
+        block_table: [N, max_pages] int32 device page ids per sequence (None: each pass maps the pages its tokens
+            need and builds it, with the lengths and token slots).
         state_indices: [N] int64 device KDA slots per sequence.
         cache_seqlens: [N] int32 device cached tokens per sequence after the step (None: from the batch).
         slot_mapping: [T] int64 device flat slot of each new token (None: from the batch and block table).
@@ -250,7 +315,7 @@ class CacheView:
         self,
         cache: PagedCache,
         seq_ids: list[int],
-        block_table: torch.Tensor,
+        block_table: torch.Tensor | None,
         state_indices: torch.Tensor,
         cache_seqlens: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
@@ -269,18 +334,23 @@ class CacheView:
         self._scratch_used: dict[int, tuple[int, int]] = {}  # per KDA layer: (tokens, sequences) of scratch used
 
     def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do). The
-        # lengths and token slots come from the ledger on the host and go over in one copy (nothing waits for it).
+        # Built once per pass and shared by the layers; a view may serve several passes (as the tests do). The pass's
+        # pages are mapped first; lengths, token slots and block table come from the ledger on the host and go over
+        # in one copy (nothing waits for it).
         if not self.given and self._batch is not batch:
-            ps, seqs = self.cache.ledger.page_size, self.cache.ledger.seqs
+            ledger, n = self.cache.ledger, batch.num_seqs
+            ps, totals = ledger.page_size, batch.total_lens()
+            blocks = [ledger.map(s, total) for s, total in zip(self.seq_ids, totals)]
             slots = [
-                seqs[s].pages[p // ps] * ps + p % ps
-                for s, c, n in zip(self.seq_ids, batch.context_lens, batch.seq_lens)
-                for p in range(c, c + n)
+                b.pages[p // ps] * ps + p % ps
+                for b, c, m in zip(blocks, batch.context_lens, batch.seq_lens)
+                for p in range(c, c + m)
             ]
-            packed = torch.tensor(batch.total_lens() + slots, dtype=torch.int64)
-            packed = packed.to(self.block_table.device, non_blocking=True)
-            self.cache_seqlens, self.slot_mapping = packed[: batch.num_seqs].int(), packed[batch.num_seqs :]
+            table = self.cache.block_table(self.seq_ids)
+            packed = torch.cat([torch.tensor(totals + slots, dtype=torch.int64), table.flatten().long()])
+            packed = packed.to(self.state_indices.device, non_blocking=True)
+            self.cache_seqlens, self.slot_mapping = packed[:n].int(), packed[n : n + len(slots)]
+            self.block_table = packed[n + len(slots) :].view(table.shape).int()
             self._batch = batch
         return self.cache_seqlens, self.slot_mapping
 

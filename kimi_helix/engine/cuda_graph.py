@@ -112,7 +112,7 @@ class StepGraphs:
         per_seq = (max_draft_tokens + 1) * runner.cache.verify_scratch_bytes_per_token()
         fits = [s for s in self.buckets if s * per_seq <= verify_scratch_bytes]
         self.max_verify_seqs = max(fits, default=0) if max_draft_tokens else 0  # the largest verify-graph bucket
-        scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1)
+        scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1, map_now=True)
         self.scratch_page, self.scratch_slot = scratch.pages[0], scratch.slot
         runner.cache.reset_state(scratch.slot)
         # every logit row of a uniform step, in packed order (ModelRunner._logit_tokens for decode and verify)

@@ -191,7 +191,6 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
         # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
         self.graphs = None
-        self._page_rows: dict[int, tuple[object, np.ndarray]] = {}
 
     def run(self, step: ScheduledStep) -> RunnerOutput:
         """Prepare the inputs, run the forward pass, return the logits at the requested rows; commit lengths."""
@@ -261,12 +260,12 @@ class ModelRunner:
         host.cu_seqlens[: n + 1] = cu
         host.cache_seqlens[:n] = ctx + lens
         ledger = self.cache.ledger
-        blocks = [ledger.seqs[r.request_id] for r in step.requests]
+        blocks = [ledger.map(r.request_id, c + m) for r, c, m in zip(step.requests, contexts, step.num_tokens)]
         host.state_indices[:n] = [b.slot for b in blocks]
         table = host.block_table[:n]
         table.fill(0)  # unused entries: page 0, never read (the kernels stop at each sequence's length)
-        for row, r, b in zip(table, step.requests, blocks):
-            pages = self._page_row(r.request_id, b)
+        for row, b in zip(table, blocks):
+            pages = b.table_row().numpy()
             row[: pages.shape[0]] = pages
         host.input_ids[:t] = [tok for ids in step.token_ids for tok in ids]
         seq = np.repeat(np.arange(n), lens)
@@ -286,16 +285,6 @@ class ModelRunner:
         host.cache_seqlens[n_live:] = q
         host.state_indices[n_live:] = padding.slot
         host.block_table[n_live:] = padding.page
-
-    def _page_row(self, seq_id: int, blocks) -> np.ndarray:
-        """A sequence's page ids as an int32 array, built once per admission (pages never change after)."""
-        cached = self._page_rows.get(seq_id)
-        if cached is None or cached[0] is not blocks:
-            if len(self._page_rows) > 4 * max(len(self.cache.ledger.seqs), 1):  # drop released sequences
-                self._page_rows = {s: v for s, v in self._page_rows.items() if self.cache.ledger.seqs.get(s) is v[0]}
-            cached = (blocks, np.array(blocks.pages, dtype=np.int32))
-            self._page_rows[seq_id] = cached
-        return cached[1]
 
     @staticmethod
     def _logit_tokens(request, phase: Phase, context: int, n: int) -> range:

@@ -12,8 +12,9 @@ Each step declares, for every running request, its phase and its new tokens, wit
    (chunked prefill: a long prompt never takes the budget from running decodes).
 
 The step lists decodes and verify groups before prefill chunks. A request is admitted, in arrival order, only
-when the ledger can give it a state slot and every page it may need (prompt + max_tokens - 1), so running
-requests never wait for pages; a request that does not fit yet blocks the ones behind it (no starvation).
+when the ledger can give it a state slot and reserve every page it may need (prompt + max_tokens - 1 tokens; the
+pages are mapped as its cached length grows, by the runner before each step writes them), so running requests
+never wait for pages; a request that does not fit yet blocks the ones behind it (no starvation).
 """
 
 from __future__ import annotations

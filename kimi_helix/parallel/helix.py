@@ -22,8 +22,7 @@ import dataclasses
 
 import torch
 
-from ..engine.cache import PagedCache, PageLedger, SequenceBlocks
-from ..kernels.launch import cdiv
+from ..engine.cache import PagedCache, PageLedger
 from ..kernels.mla import combine_partials, mla_decode, sanitize_empty
 from ..modeling.batch import ForwardBatch, Phase
 from ..modeling.config import FULL_ATTENTION, KimiK3Config
@@ -125,38 +124,25 @@ class HelixAttention:
 class HelixPageLedger(PageLedger):
     """A `PageLedger` holding only the pages this cp rank owns.
 
-    Admission must be decided identically on every rank, so it is accounted in the pages of cp rank 0, which owns
-    the most of any prefix (`local_len(L, 0) >= local_len(L, r)`); each rank then takes only its own pages. A
-    sequence's page list is indexed by global page, with `NOT_HERE` where another rank owns the page.
+    Admission must be decided identically on every rank, so reservations are counted in the pages of cp rank 0,
+    which owns the most of any prefix (`local_len(L, 0) >= local_len(L, r)`): every rank then maps at most its
+    reservation, and the base ledger's accounting holds on each. `map` takes only this rank's pages. A sequence's
+    page list is indexed by global page, with `NOT_HERE` where another rank owns the page.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int, ownership: Ownership):
         super().__init__(num_pages, page_size, num_slots)
         self.ownership = ownership
-        self.reserved: dict[int, int] = {}  # rank-0 pages per admitted sequence: the same on every rank
 
     def pages_for(self, tokens: int) -> int:
         return self.ownership.local_pages(tokens, 0)
 
-    def can_admit(self, reserve_tokens: int) -> bool:
-        return bool(self.free_slots) and self.num_pages - sum(self.reserved.values()) >= self.pages_for(reserve_tokens)
+    def _take(self, start: int, stop: int) -> list[int]:
+        owned = set(self.ownership.owned_pages(stop, start))
+        return [self.free_pages.pop() if b in owned else NOT_HERE for b in range(start, stop)]
 
-    def admit(self, seq_id: int, reserve_tokens: int) -> SequenceBlocks:
-        if not self.can_admit(reserve_tokens):
-            raise RuntimeError(f"cannot admit sequence {seq_id}: no free slot or too few free pages")
-        blocks = SequenceBlocks(slot=self.free_slots.pop())
-        num_pages = cdiv(reserve_tokens, self.page_size)
-        owned = set(self.ownership.owned_pages(num_pages))
-        blocks.pages = [self.free_pages.pop() if b in owned else NOT_HERE for b in range(num_pages)]
-        self.reserved[seq_id] = self.pages_for(reserve_tokens)
-        self.seqs[seq_id] = blocks
-        return blocks
-
-    def release(self, seq_id: int) -> None:
-        del self.reserved[seq_id]
-        blocks = self.seqs.pop(seq_id)
-        self.free_pages.extend(p for p in reversed(blocks.pages) if p != NOT_HERE)
-        self.free_slots.append(blocks.slot)
+    def _give(self, pages: list[int]) -> None:
+        self.free_pages.extend(p for p in reversed(pages) if p != NOT_HERE)
 
 
 class HelixPagedCache(PagedCache):

@@ -67,9 +67,9 @@ class Ownership:
         """Pages `cp_rank` (default this rank) must hold for a sequence of `lengths` tokens."""
         return -(-self.local_len(lengths, cp_rank) // self.page_size)
 
-    def owned_pages(self, num_pages: int) -> list[int]:
-        """Which of a sequence's global pages 0 .. num_pages - 1 this rank holds, in order."""
-        return [b for b in range(num_pages) if b % self.cp == self.cp_rank]
+    def owned_pages(self, num_pages: int, start: int = 0) -> list[int]:
+        """Which of a sequence's global pages start .. num_pages - 1 this rank holds, in order."""
+        return [b for b in range(start, num_pages) if b % self.cp == self.cp_rank]
 
     def local_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
         """[N, G] page ids by global page -> [N, ceil(G / cp)] this rank's pages in local order (k-th local page =

@@ -100,6 +100,19 @@ def test_admission_follows_arrival_order_and_a_blocked_head_blocks_the_rest():
     assert [r.request_id for r in sched.waiting] == [2]
 
 
+def test_admission_counts_running_reservations_not_free_pages():
+    """Admission maps no page, yet a request waits while the running ones' reservations leave it too few pages."""
+    sched = make_scheduler(budget=64, num_pages=6, page_size=16)
+    sched.add(request(0, 40))  # reserves 3 pages
+    sched.add(request(1, 50))  # 4 pages: all 6 are free, but only 3 unreserved
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == [0] and [r.request_id for r in sched.waiting] == [1]
+    assert sched.ledger.pages_in_use == 0 and sched.ledger.reserved_pages == 3
+    sched.finish(sched.running[0], "length")
+    sched.schedule()
+    assert [r.request_id for r in sched.running] == [1] and sched.ledger.reserved_pages == 4
+
+
 def test_running_never_exceeds_the_token_budget_so_everyone_gets_a_token():
     sched = make_scheduler(budget=3, max_num_seqs=8)
     for i in range(6):

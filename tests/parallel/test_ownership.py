@@ -36,7 +36,7 @@ def test_ledger_slots_and_bounds_brute_force(ps, cp):
     for r in range(cp):
         own = Ownership(ps, cp, r)
         ledger = HelixPageLedger(64, ps, 1, own)
-        pages = ledger.admit(0, n).pages  # global-indexed, -1 where another rank owns the page
+        pages = ledger.admit(0, n, map_now=True).pages  # global-indexed, -1 where another rank owns the page
         assert sum(p >= 0 for p in pages) == own.local_pages(n) == ledger.pages_in_use
         table = torch.tensor(pages)
         slot_mapping = table[positions // ps] * ps + positions % ps  # what the runner computes

@@ -20,7 +20,7 @@ def test_plan_per_rank_equals_engine(tp, cp, max_len):
     for rank in range(tp * cp):
         comm = Communicator(Mapping(tp=tp, cp=cp, rank=rank))  # no collectives: only the allocation is inspected
         cache = helix_cache(config, comm, 64, ps, 2, torch.float32, "meta")
-        cache.ledger.admit(0, max_len)
+        cache.ledger.admit(0, max_len, map_now=True)
         per_rank_pages.append(cache.ledger.pages_in_use)
         state = sum(t[0].numel() * t.element_size() for t in (*cache.conv.values(), *cache.recurrent.values()))
         assert state == plan.kda_state_bytes_per_sequence_per_rank
