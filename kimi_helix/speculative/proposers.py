@@ -110,8 +110,9 @@ class DSparkProposer(Proposer):
         max_seqs: the most requests one round drafts for (the engine's `max_num_seqs`): the graphs' largest
             bucket. The cache starts with min(max_seqs, 8) slots of 256 rows and doubles either when a request
             needs more (the graphs recapture then).
-        use_graphs: replay all-greedy drafting rounds from CUDA graphs (`drafting.DraftGraphs`, CUDA only);
-            sampled rounds, and every round without graphs, run the same forward eagerly.
+        use_graphs: replay all-greedy drafting rounds and the context writes of small steps from CUDA graphs
+            (`drafting.DraftGraphs`, CUDA only); sampled rounds, prefill chunks, and everything without graphs
+            run the same code eagerly.
     """
 
     name = "dspark"
@@ -155,10 +156,12 @@ class DSparkProposer(Proposer):
                 torch.arange(features.shape[0]) + torch.repeat_interleave(first, counts_t),
             ]
         )
-        if self._observed.dev.shape[1] < where.shape[1]:
-            self._observed = PinnedUpload(2, max(where.shape[1], 2 * self._observed.dev.shape[1]), self.cache.device)
-        dev = self._observed.put(where)
-        self.cache.write(dev[0], dev[1], features)
+        if self.graphs is None or not self.graphs.write(where, features):
+            if self._observed.dev.shape[1] < where.shape[1]:
+                cols = max(where.shape[1], 2 * self._observed.dev.shape[1])
+                self._observed = PinnedUpload(2, cols, self.cache.device)
+            dev = self._observed.put(where)
+            self.cache.write(dev[0], dev[1], features)
         for seq_id, start, n in zip(seq_ids, starts, counts):
             self.cache.length[seq_id] = start + n
 

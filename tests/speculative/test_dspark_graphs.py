@@ -133,7 +133,7 @@ def test_draft_graphs_give_the_eager_drafts(tmp_path):
             prop.observe(i, 0, f.to("cuda"))
     asks = [ProposalRequest(i, ids, 4) for i, ids in enumerate(seqs)]
     eager, graphed = (p.propose(asks) for p in props)
-    assert props[1].graphs.graphs, "no draft graph was captured"
+    assert props[1].graphs.graphs and props[1].graphs.writes, "no draft or context-write graph was captured"
     for e, r in zip(eager, graphed):
         assert e.token_ids == r.token_ids and len(e.token_ids) == 4
         torch.testing.assert_close(torch.tensor(r.confidence), torch.tensor(e.confidence), rtol=1e-5, atol=1e-6)
@@ -175,4 +175,5 @@ def test_dspark_on_the_demo_model_with_graphs_equals_plain_greedy_fp32():
     llm = LLM(dtype=torch.float32, page_size=16, max_num_seqs=4, speculative_config=spec)
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
     assert any(key.phase is Phase.VERIFY for key in llm.runner.graphs.graphs)
-    assert llm.speculative.proposer.graphs.graphs and llm.speculative.metrics.rounds > 0
+    graphs = llm.speculative.proposer.graphs
+    assert graphs.graphs and graphs.writes and not graphs.failed and llm.speculative.metrics.rounds > 0

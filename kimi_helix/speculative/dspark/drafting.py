@@ -10,16 +10,21 @@ or tokens in Python, and nothing reads a device value on the host except the one
   which bumps `generation` (the graphs recapture then: they read the old tensors).
 - `DraftGraphs`: the greedy draft forward (context gather, backbone, head, Markov chain, confidence) captured
   per (batch bucket, drafts); its static inputs are the anchor ids, anchor positions (= context lengths) and
-  slot indices, and its output packs tokens and confidences in one tensor, read with one copy.
+  slot indices, and its output packs tokens and confidences in one tensor, read with one copy. It also captures
+  the context write of a step's features (`ContextCache.write`) per token count, for features that sit in a
+  static buffer (the engine's `TargetFeatureCapture`), with the tokens' (slot, position) as static input.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
 from .model import DSparkDrafter
+
+logger = logging.getLogger(__name__)
 
 
 class PinnedUpload:
@@ -141,9 +146,14 @@ def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tens
 
 
 class DraftGraphs:
-    """CUDA graphs of `greedy_draft` per (bucket, num_tokens), captured on first use and dropped when the cache
-    reallocates. A batch of n requests replays the smallest bucket >= n; its padding rows draft from slot 0 with
-    an empty context (they only read, and their outputs are never looked at)."""
+    """CUDA graphs of `greedy_draft` per (bucket, num_tokens) and of `ContextCache.write` per token count,
+    captured on first use and dropped when the cache reallocates. A batch of n requests replays the smallest
+    bucket >= n; its padding rows draft from slot 0 with an empty context (they only read, and their outputs are
+    never looked at). A write graph reads its features at the address it was captured with, so it is keyed by
+    that address: the engine always passes the same static buffer."""
+
+    MAX_WRITE_TOKENS = 64  # larger steps (prefill chunks) write eagerly
+    MAX_WRITE_GRAPHS = 32  # features at other addresses (not the engine's buffer) stop being captured
 
     def __init__(self, drafter: DSparkDrafter, cache: ContextCache, buckets: tuple[int, ...]):
         if cache.device.type != "cuda":
@@ -152,7 +162,57 @@ class DraftGraphs:
         self.inputs = PinnedUpload(3, self.buckets[-1], cache.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.writes: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.failed: str | None = None  # why a capture failed: everything runs eagerly from then on
+        self._where = PinnedUpload(2, self.MAX_WRITE_TOKENS, cache.device)
         self._generation = cache.generation
+
+    def _check_generation(self) -> None:
+        if self._generation != self.cache.generation:  # the cache's tensors moved: every graph reads old ones
+            self.graphs.clear()
+            self.writes.clear()
+            self._generation = self.cache.generation
+
+    @torch.no_grad()
+    def write(self, where: torch.Tensor, features: torch.Tensor) -> bool:
+        """Replay `ContextCache.write` of T tokens: where [2, T] int64 on the host (slots, positions), features
+        [T, m*d] on the device. False (nothing written) when T or the graphs' count is over the limit."""
+        t = where.shape[1]
+        key = (tuple(features.shape), features.data_ptr(), features.stride(), features.dtype)
+        if self.failed or not 0 < t <= self.MAX_WRITE_TOKENS or features.device != self.cache.device:
+            return False
+        self._check_generation()
+        if key not in self.writes and len(self.writes) >= self.MAX_WRITE_GRAPHS:
+            return False
+        static = self._where.put(where)
+        if key not in self.writes:
+            recorded = self._record(lambda: self.cache.write(static[0], static[1], features))
+            if recorded is None:
+                return False  # the caller writes eagerly (again, if the warm-up wrote: the write is idempotent)
+            self.writes[key] = recorded[0]
+        self.writes[key].replay()
+        return True
+
+    def _record(self, fn):
+        """(a CUDA graph of `fn`, the capture's output) after one warm-up call on a side stream, whose effect is
+        then done once already (both callers are idempotent: the write and the draft forward). None, and every
+        later call eager, when the capture fails (a host sync inside, say)."""
+        device = self.cache.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn()
+        except RuntimeError as err:
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.failed = str(err)
+            logger.warning("no CUDA graph for DSpark drafting, it runs eagerly: %s", err)
+            return None
+        return graph, out
 
     def bucket(self, n: int) -> int | None:
         i = bisect.bisect_left(self.buckets, n)
@@ -161,30 +221,19 @@ class DraftGraphs:
     @torch.no_grad()
     def run(self, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
         """inputs [3, n] int64 on the host -> packed [n, 2 * num_tokens] on the device (see `greedy_draft`), or
-        None when n exceeds the largest bucket."""
+        None when n exceeds the largest bucket or capturing failed (the caller drafts eagerly)."""
         n = inputs.shape[1]
         bucket = self.bucket(n)
-        if bucket is None:
+        if bucket is None or self.failed:
             return None
-        if self._generation != self.cache.generation:
-            self.graphs.clear()
-            self._generation = self.cache.generation
+        self._check_generation()
         static = self.inputs.put(inputs, bucket)
         key = (bucket, num_tokens)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(static, num_tokens)
+            recorded = self._record(lambda: greedy_draft(self.drafter, self.cache, static, num_tokens))
+            if recorded is None:
+                return None
+            self.graphs[key] = recorded
         graph, out = self.graphs[key]
         graph.replay()
         return out[:n]
-
-    def _capture(self, static: torch.Tensor, num_tokens: int):
-        device = self.cache.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            greedy_draft(self.drafter, self.cache, static, num_tokens)  # warm-up outside the capture
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = greedy_draft(self.drafter, self.cache, static, num_tokens)
-        return graph, out
