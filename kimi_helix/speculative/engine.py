@@ -30,7 +30,7 @@ from .dspark.model import DSparkDrafter
 from .proposers import DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from .scheduling import StepRateTable, cached_step_rate, confidence_schedule, profile_step_rate
 from .validator import Reason, SpeculativeConfig, UnsupportedConfigError, validate_speculative_config
-from .verification import VerifyResult, verify
+from .verification import VerifyResult, accept_greedy, verify
 
 
 @dataclass
@@ -157,12 +157,8 @@ class SpeculativeDecoder:
         best = out.logits.index_select(0, index).argmax(dim=-1).tolist()  # the same argmax as `sample`
         results, offset = [], 0
         for i in groups:
-            drafts, k = step.token_ids[i][1:], len(step.token_ids[i]) - 1
-            row, offset = best[offset : offset + k + 1], offset + k + 1
-            n = 0
-            while n < k and drafts[n] == row[n]:
-                n += 1
-            results.append(VerifyResult([*drafts[:n], row[n]], n))
+            rows, offset = best[offset : offset + len(step.token_ids[i])], offset + len(step.token_ids[i])
+            results.append(accept_greedy(step.token_ids[i][1:], rows))
         return results
 
     def _agree(self, token_lists: list[list[int]]) -> list[list[int]]:
