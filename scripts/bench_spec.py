@@ -16,7 +16,9 @@ decoding at the same batch size and tokens per engine step (the batch size for p
 cases tau (tokens per verify round, the bonus token included; None when no step had drafts) and acceptance by
 position, from `LLM.speculative.metrics`; and `identical`, how many prompts' outputs equal plain
 decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager` is the same engine with
-`enforce_eager` (speculative steps run eagerly for now). Rows (with gpu, date and commit) are appended to
+`enforce_eager`. `ms_per_round` is the mean wall time of a decoding round (an engine step that verified drafts;
+for plain decoding a decode step), on the graph path on the GPU: target verify steps and greedy drafting rounds
+replay CUDA graphs. Rows (with gpu, date and commit) are appended to
 benchmarks/results/spec.jsonl (or --out); a table ends the run. A case that fails is written as a row with its
 `error` and the run goes on; the exit status is then 1.
 """
@@ -163,7 +165,8 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
     steps = llm.metrics[first_step:]
     row = dict(method=method, k=k if spec else 0, batch_size=batch, tokens=tokens, seconds=round(seconds, 4),
                tokens_per_s=round(tokens / seconds, 1), steps=len(steps), tokens_per_step=round(tokens / len(steps), 3),
-               ms_per_step=round(1e3 * sum(s.seconds for s in steps) / len(steps), 3))  # fmt: skip
+               ms_per_step=round(1e3 * sum(s.seconds for s in steps) / len(steps), 3),
+               ms_per_round=ms_per_round(steps, speculative=spec is not None))  # fmt: skip
     if llm.speculative is not None:
         m = llm.speculative.metrics
         accept = [round(a, 3) for a in m.acceptance_by_position]
@@ -173,6 +176,16 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row, outputs
+
+
+def ms_per_round(steps, speculative: bool) -> float | None:
+    """Mean host wall time of a decoding round: the steps that verified drafts (speculative methods), or the
+    steps where every scheduled token was a decode that emitted one (plain); None when there is none."""
+    if speculative:
+        rounds = [s.seconds for s in steps if s.verify_groups]
+    else:
+        rounds = [s.seconds for s in steps if s.scheduled_tokens == s.generated_tokens]
+    return round(1e3 * sum(rounds) / len(rounds), 3) if rounds else None
 
 
 def cases(args, drafter) -> list[tuple[str, int]]:
@@ -189,8 +202,8 @@ def cases(args, drafter) -> list[tuple[str, int]]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'tok/step':>9}{'tau':>7}{'same':>7}"
-            "  acceptance by position")  # fmt: skip
+    head = (f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'tok/step':>9}{'ms/round':>9}{'tau':>7}"
+            f"{'same':>7}  acceptance by position")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in sorted(rows, key=lambda r: (r["batch_size"], METHODS.index(r["method"]), r["k"])):
@@ -201,8 +214,9 @@ def print_table(rows: list[dict]) -> None:
         accept = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", []))
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['num_prompts']}"
+        per_round = "-" if r.get("ms_per_round") is None else f"{r['ms_per_round']:.2f}"
         print(f"{r['method']:<12}{r['k']:>3}{r['batch_size']:>7}{r['tokens_per_s']:>10.1f}{speed:>9}"
-              f"{r['tokens_per_step']:>9.2f}{tau:>7}"
+              f"{r['tokens_per_step']:>9.2f}{per_round:>9}{tau:>7}"
               f"{same:>7}  {accept}")  # fmt: skip
 
 

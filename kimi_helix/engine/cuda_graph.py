@@ -121,6 +121,7 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.graphs: dict[GraphKey, _Captured] = {}
         self.uncapturable: dict[GraphKey, str] = {}  # shapes whose forward syncs with the host, and why
+        self._captured_hooks: tuple[int, ...] = ()  # the graph-safe hooks every graph in `graphs` recorded
 
     # ---------------------------------------------------------------- dispatch
     def key_for(self, step: ScheduledStep) -> GraphKey | None:
@@ -146,6 +147,10 @@ class StepGraphs:
         key = self.key_for(step)
         if key is None or key in self.uncapturable or self._hooked():
             return None
+        hooks = self._graph_safe_hooks()
+        if hooks != self._captured_hooks:  # graphs recorded without (or with other) copy hooks would skip them
+            self.graphs.clear()
+            self._captured_hooks = hooks
         captured = self.graphs.get(key) or self.capture(key)
         if captured is None:
             return None
@@ -165,10 +170,21 @@ class StepGraphs:
         return Padding(key.batch, key.tokens_per_seq, self.scratch_page, self.scratch_slot)
 
     def _hooked(self) -> bool:
-        """Forward hooks on the model's layers (a drafter's feature capture, say) must see every step, and a replay
-        runs no Python: while any is attached, steps run eagerly."""
+        """Forward hooks on the model's layers must see every step, and a replay runs no Python: while any is
+        attached, steps run eagerly. Hooks marked `graph_safe` (DSpark's static-buffer feature capture) are the
+        exception: all they do is a device copy into a static buffer, which the graph records and replays."""
         model = self.runner.model.model
-        return bool(model._forward_hooks) or any(layer._forward_hooks for layer in model.layers)
+        hooks = [*model._forward_hooks.values(), *(h for layer in model.layers for h in layer._forward_hooks.values())]
+        return any(not getattr(h, "graph_safe", False) for h in hooks)
+
+    def _graph_safe_hooks(self) -> tuple[int, ...]:
+        """Identities of the graph-safe hooks attached now: a graph replays the ones attached when it was captured."""
+        return tuple(
+            id(h)
+            for layer in self.runner.model.model.layers
+            for h in layer._forward_hooks.values()
+            if getattr(h, "graph_safe", False)
+        )
 
     # ---------------------------------------------------------------- capture
     def capture(self, key: GraphKey) -> _Captured | None:

@@ -60,6 +60,7 @@ class StepMetrics:
     waiting: int
     pages_in_use: int
     bytes_sent: int = 0  # what this rank sent to other ranks in the step (tensor / context parallelism)
+    verify_groups: int = 0  # speculative verify groups the step ran (a speculative decoding round when > 0)
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -339,6 +340,7 @@ class LLM:
                 waiting=len(self.scheduler.waiting),
                 pages_in_use=self.scheduler.ledger.pages_in_use,
                 bytes_sent=sum(self.comm.bytes_sent.values()) if self.comm is not None else 0,
+                verify_groups=len(verified),
             )
         )
         return finished

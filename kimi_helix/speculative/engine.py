@@ -30,7 +30,7 @@ from .dspark.model import DSparkDrafter
 from .proposers import DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from .scheduling import StepRateTable, cached_step_rate, confidence_schedule, profile_step_rate
 from .validator import Reason, SpeculativeConfig, UnsupportedConfigError, validate_speculative_config
-from .verification import VerifyResult, verify
+from .verification import VerifyResult, accept_greedy, verify
 
 
 @dataclass
@@ -82,6 +82,7 @@ class SpeculativeDecoder:
         *,
         comm=None,
         token_weight: float = 1.0,
+        max_tokens: int | None = None,
     ):
         self.proposer, self.num_tokens, self.step_rate = proposer, num_tokens, step_rate
         self.comm, self.token_weight = comm, token_weight  # the ranks' collectives; a draft token's batch price
@@ -89,7 +90,9 @@ class SpeculativeDecoder:
         self.metrics = SpeculativeMetrics()
         self._proposals: dict[int, Proposal] = {}
         self.capture = (
-            TargetFeatureCapture(model, proposer.target_layer_ids).attach() if proposer.target_layer_ids else None
+            TargetFeatureCapture(model, proposer.target_layer_ids, max_tokens).attach()
+            if proposer.target_layer_ids
+            else None
         )
 
     def propose(self, requests: Sequence) -> None:
@@ -115,11 +118,10 @@ class SpeculativeDecoder:
         """Hand the proposer the captured features of every token of `step` (call right after the runner)."""
         if self.capture is None:
             return
-        features = self.capture.pop()
-        start = 0
-        for r, n in zip(step.requests, step.num_tokens):
-            self.proposer.observe(r.request_id, r.num_computed, features[start : start + n])
-            start += n
+        static = self.capture.buffer is not None
+        features = self.capture.pop(step.total_tokens) if static else self.capture.pop()
+        ids, starts = [r.request_id for r in step.requests], [r.num_computed for r in step.requests]
+        self.proposer.observe_step(ids, starts, list(step.num_tokens), features)
 
     def verify_groups(self, step, out) -> dict[int, VerifyResult]:
         """Verify every verify group of `step` against the runner's output `out`: {index in the step: result}.
@@ -127,18 +129,37 @@ class SpeculativeDecoder:
         A group's drafts are its tokens after the first (the k the scheduler kept); its k + 1 logit rows are the
         last of the request's rows."""
         groups = [i for i, phase in enumerate(step.phases) if phase is Phase.VERIFY]
-        results = []
+        greedy = [i for i in groups if step.requests[i].params.greedy]
+        results = dict(zip(greedy, self._verify_greedy(step, out, greedy)))
         for i in groups:
             request, drafts = step.requests[i], step.token_ids[i][1:]
             proposal = self._proposals.pop(request.request_id, None)
+            if i in results:
+                continue
             probs = None if proposal is None or proposal.probs is None else proposal.probs[: len(drafts)]
             logits = out.logits[out.rows[i]][-len(drafts) - 1 :]
-            results.append(verify(drafts, probs, logits, request.params, request.generator))
+            results[i] = verify(drafts, probs, logits, request.params, request.generator)
+        results = [results[i] for i in groups]
         agreed = self._agree([r.tokens for r in results])
         results = [VerifyResult(tokens, len(tokens) - 1) for tokens in agreed]
         for i, result in zip(groups, results):
             self.metrics.add(len(step.token_ids[i]) - 1, result.num_accepted)
         return dict(zip(groups, results))
+
+    @staticmethod
+    def _verify_greedy(step, out, groups: list[int]) -> list[VerifyResult]:
+        """`verify_greedy` for every greedy group at once: the argmax of all their rows on the device and one
+        copy of them to the host (a group's k + 1 rows are the last of its request's rows)."""
+        if not groups:
+            return []
+        spans = [(out.rows[i].stop - len(step.token_ids[i]), out.rows[i].stop) for i in groups]
+        index = torch.cat([torch.arange(a, b) for a, b in spans]).to(out.logits.device, non_blocking=True)
+        best = out.logits.index_select(0, index).argmax(dim=-1).tolist()  # the same argmax as `sample`
+        results, offset = [], 0
+        for i in groups:
+            rows, offset = best[offset : offset + len(step.token_ids[i])], offset + len(step.token_ids[i])
+            results.append(accept_greedy(step.token_ids[i][1:], rows))
+        return results
 
     def _agree(self, token_lists: list[list[int]]) -> list[list[int]]:
         """Rank 0's `token_lists` on every rank (one broadcast); unchanged in one process. Every list holds at
@@ -219,7 +240,8 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
     elif spec.method == "dspark":
         drafter = DSparkDrafter.from_pretrained(spec.model, dtype=model.dtype, device=llm.device)
         drafter.bind_target(model)
-        proposer = DSparkProposer(drafter)
+        graphs = llm.runner.graphs is not None and llm.runner.graphs.use_graphs  # CUDA, one process, not eager
+        proposer = DSparkProposer(drafter, llm.scheduler.max_num_seqs, use_graphs=graphs)
     rate = None
     if spec.confidence_scheduling:
         group = spec.num_speculative_tokens + 1
@@ -238,7 +260,16 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
             save = m is None or m.rank == 0
             rate = cached_step_rate(spec.step_rate_table, key + layout, step, sizes, save=save, synchronize=sync)
     cp = 1 if llm.comm is None else llm.comm.mapping.cp
-    return SpeculativeDecoder(model, proposer, spec.num_speculative_tokens, rate, comm=llm.comm, token_weight=cp)
+    max_tokens = llm.runner.buffers.max_tokens if proposer.target_layer_ids else None  # the capture's rows
+    return SpeculativeDecoder(
+        model,
+        proposer,
+        spec.num_speculative_tokens,
+        rate,
+        comm=llm.comm,
+        token_weight=cp,
+        max_tokens=max_tokens,
+    )
 
 
 def verify_step(llm, group: int):

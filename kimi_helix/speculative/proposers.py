@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.cuda_graph import default_buckets
+from ..engine.sampling import GREEDY_TEMPERATURE
+from .dspark.drafting import ContextCache, DraftGraphs, PinnedUpload, greedy_draft
 from .dspark.model import DSparkDrafter
 
 
@@ -54,6 +57,16 @@ class Proposer:
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
         """Captured target features [n, m*d] of the tokens at positions start..start+n-1 of `seq_id`."""
 
+    def observe_step(
+        self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int], features: torch.Tensor
+    ) -> None:
+        """One step's features of every request at once: features [sum(counts), m*d], request i's `counts[i]`
+        rows at positions starts[i].. of seq_ids[i]. By default `observe` per request; override to batch."""
+        offset = 0
+        for seq_id, start, n in zip(seq_ids, starts, counts):
+            self.observe(seq_id, start, features[offset : offset + n])
+            offset += n
+
     def rollback(self, seq_id: int, num_keep: int) -> None:
         """Forget everything `seq_id` saw beyond its first `num_keep` tokens (after a partial acceptance)."""
 
@@ -88,38 +101,76 @@ class NgramProposer(Proposer):
 
 
 class DSparkProposer(Proposer):
-    """Drafts with a `DSparkDrafter` bound to the target. Per request it caches the drafter's injected context
-    keys/values of every token before the anchor (fed by `observe`, cropped by `rollback`)."""
+    """Drafts with a `DSparkDrafter` bound to the target. Per request it keeps the drafter's injected context
+    keys/values of every token before the anchor in a static per-slot cache (`drafting.ContextCache`: fed by
+    `observe_step`, cropped by `rollback`, which only lowers a length).
+
+    Args:
+        drafter: the bound drafter.
+        max_seqs: the most requests one round drafts for (the engine's `max_num_seqs`): the graphs' largest
+            bucket. The cache starts with min(max_seqs, 8) slots of 256 rows and doubles either when a request
+            needs more (the graphs recapture then).
+        use_graphs: replay all-greedy drafting rounds and the context writes of small steps from CUDA graphs
+            (`drafting.DraftGraphs`, CUDA only); sampled rounds, prefill chunks, and everything without graphs
+            run the same code eagerly.
+    """
 
     name = "dspark"
 
-    def __init__(self, drafter: DSparkDrafter):
+    def __init__(self, drafter: DSparkDrafter, max_seqs: int = 8, use_graphs: bool = False):
+        if not isinstance(max_seqs, int) or max_seqs < 1:
+            raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
         self.drafter = drafter
         self.target_layer_ids = list(drafter.config.target_layer_ids)
-        self._ctx: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.cache = ContextCache(drafter, min(max_seqs, 8), 256)
+        device = self.cache.device
+        self.graphs = DraftGraphs(drafter, self.cache, default_buckets(max_seqs)) if use_graphs else None
+        self._observed = PinnedUpload(2, 64, device)  # per-token (slot, position) of observe_step, grown as needed
+        self._asked = PinnedUpload(3, max_seqs, device)  # per-request (anchor, position, slot) of eager rounds
 
     def context_len(self, seq_id: int) -> int:
-        ctx = self._ctx.get(seq_id)
-        return 0 if ctx is None else ctx[0][0].shape[0]
+        return self.cache.length.get(seq_id, 0)
+
+    def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
+        self.observe_step([seq_id], [start], [features.shape[0]], features)
 
     @torch.no_grad()
-    def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
-        have = self.context_len(seq_id)
-        if start != have:
-            raise ValueError(f"request {seq_id}: features start at {start} but the draft context holds {have} tokens")
-        positions = torch.arange(start, start + features.shape[0], device=features.device)
-        new = self.drafter.context_keys_values(features.to(self.drafter.dtype), positions)
-        old = self._ctx.get(seq_id)
-        self._ctx[seq_id] = (
-            new if old is None else [(torch.cat([a, c]), torch.cat([b, d])) for (a, b), (c, d) in zip(old, new)]
+    def observe_step(self, seq_ids, starts, counts, features: torch.Tensor) -> None:
+        """Every request's features of one step at once: one context projection and one in-place write per
+        layer. seq_ids, starts, counts: per request; features [sum(counts), m*d] in that order."""
+        for seq_id, start in zip(seq_ids, starts):
+            if start != self.context_len(seq_id):
+                raise ValueError(
+                    f"request {seq_id}: features start at {start} but the draft context holds "
+                    f"{self.context_len(seq_id)} tokens"
+                )
+        if features.shape[0] != sum(counts):
+            raise ValueError(f"features hold {features.shape[0]} rows, the counts {counts} sum to {sum(counts)}")
+        slots = [self.cache.slot(s) for s in seq_ids]  # may grow the cache (and bump its generation)
+        self.cache.reserve(max(s + n for s, n in zip(starts, counts)))
+        counts_t = torch.tensor(counts)
+        first = torch.tensor(starts) - torch.cumsum(counts_t, 0) + counts_t  # start - tokens before the request
+        where = torch.stack(
+            [
+                torch.repeat_interleave(torch.tensor(slots), counts_t),
+                torch.arange(features.shape[0]) + torch.repeat_interleave(first, counts_t),
+            ]
         )
+        if self.graphs is None or not self.graphs.write(where, features):
+            if self._observed.dev.shape[1] < where.shape[1]:
+                cols = max(where.shape[1], 2 * self._observed.dev.shape[1])
+                self._observed = PinnedUpload(2, cols, self.cache.device)
+            dev = self._observed.put(where)
+            self.cache.write(dev[0], dev[1], features)
+        for seq_id, start, n in zip(seq_ids, starts, counts):
+            self.cache.length[seq_id] = start + n
 
     def rollback(self, seq_id: int, num_keep: int) -> None:
-        if seq_id in self._ctx:
-            self._ctx[seq_id] = [(k[:num_keep], v[:num_keep]) for k, v in self._ctx[seq_id]]
+        if seq_id in self.cache.length:
+            self.cache.length[seq_id] = min(self.cache.length[seq_id], num_keep)
 
     def release(self, seq_id: int) -> None:
-        self._ctx.pop(seq_id, None)
+        self.cache.release(seq_id)
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         if not requests:
@@ -131,38 +182,34 @@ class DSparkProposer(Proposer):
                     f"sits at position {len(r.token_ids) - 1}; observe() every token the target runs"
                 )
         k = min(max(r.num_tokens for r in requests), self.drafter.config.block_size)
-        ctx, valid = self._padded([r.seq_id for r in requests])
-        device = valid.device
-        draft = self.drafter.draft(
-            anchor_ids=torch.tensor([r.token_ids[-1] for r in requests], device=device),
-            anchor_positions=torch.tensor([len(r.token_ids) - 1 for r in requests], device=device),
-            ctx=ctx,
-            ctx_valid=valid,
-            num_tokens=k,
-            temperatures=[r.temperature for r in requests],
-            generators=[r.generator for r in requests],
-        )
+        slots = [self.cache.slot(r.seq_id) for r in requests]
+        inputs = torch.tensor([[r.token_ids[-1] for r in requests], [len(r.token_ids) - 1 for r in requests], slots])
+        greedy = all(r.temperature < GREEDY_TEMPERATURE for r in requests)
+        packed = self.graphs.run(inputs, k) if greedy and self.graphs is not None else None
+        probs = None
+        if packed is None:
+            if self._asked.dev.shape[1] < len(requests):
+                self._asked = PinnedUpload(3, len(requests), self.cache.device)
+            dev = self._asked.put(inputs)
+            if greedy:
+                packed = greedy_draft(self.drafter, self.cache, dev, k)
+            else:
+                packed, probs = self._sampled_draft(requests, dev, k)
+        rows = packed.tolist()  # the round's one host sync
+        has_conf = self.drafter.confidence_head is not None
         out = []
-        for i, r in enumerate(requests):
+        for i, (r, row) in enumerate(zip(requests, rows)):
             n = min(r.num_tokens, k)
-            conf = None if draft.confidence is None else draft.confidence[i, :n].tolist()
-            out.append(Proposal(draft.tokens[i, :n].tolist(), draft.probs[i, :n], conf))
+            conf = row[k : k + n] if has_conf else None
+            out.append(Proposal([int(t) for t in row[:n]], None if probs is None else probs[i, :n], conf))
         return out
 
-    def _padded(self, seq_ids: list[int]):
-        """Per layer (k, v) [N, C_max, H, hd] and valid [N, C_max] for the requests' contexts."""
-        lens = [self.context_len(s) for s in seq_ids]
-        cmax = max(lens)
-        cfg, weight = self.drafter.config, self.drafter.fc.weight
-        device, dtype = weight.device, weight.dtype
-        shape = (len(seq_ids), cmax, cfg.num_attention_heads, cfg.head_dim)
-        layers = []
-        for layer in range(len(self.drafter.layers)):
-            k = torch.zeros(shape, device=device, dtype=dtype)
-            v = torch.zeros_like(k)
-            for i, s in enumerate(seq_ids):
-                if lens[i]:
-                    k[i, : lens[i]], v[i, : lens[i]] = self._ctx[s][layer]
-            layers.append((k, v))
-        valid = torch.arange(cmax, device=device)[None] < torch.tensor(lens, device=device)[:, None]
-        return layers, valid
+    @torch.no_grad()
+    def _sampled_draft(self, requests, inputs: torch.Tensor, k: int):
+        """A round with sampled requests (eager): packed as `greedy_draft`'s, and the draft distributions."""
+        anchors, positions, slots = inputs
+        ctx, valid = self.cache.gather(slots, positions)
+        temps, gens = [r.temperature for r in requests], [r.generator for r in requests]
+        draft = self.drafter.draft(anchors, positions, ctx, valid, k, temps, gens)
+        conf = draft.confidence if draft.confidence is not None else torch.zeros_like(draft.tokens, dtype=torch.float)
+        return torch.cat([draft.tokens.double(), conf.double()], dim=1), draft.probs

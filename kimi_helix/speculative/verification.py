@@ -49,8 +49,16 @@ def _check(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> int:
 
 def verify_greedy(draft_tokens: Sequence[int], target_logits: torch.Tensor) -> VerifyResult:
     """Exact-match verification. draft_tokens: k ids; target_logits: [k + 1, V]."""
-    k = _check(draft_tokens, target_logits)
-    best = target_logits.float().argmax(dim=-1).tolist()  # the same argmax (first index of ties) as `sample`
+    _check(draft_tokens, target_logits)
+    return accept_greedy(draft_tokens, target_logits.float().argmax(dim=-1).tolist())
+
+
+def accept_greedy(draft_tokens: Sequence[int], best: Sequence[int]) -> VerifyResult:
+    """`verify_greedy` from the argmax ids of the k + 1 rows (the same argmax, first index of ties, as `sample`),
+    so a caller can take every group's argmaxes on the device and copy them to the host at once."""
+    k = len(draft_tokens)
+    if len(best) != k + 1:
+        raise ValueError(f"best must hold k + 1 = {k + 1} argmax ids, got {len(best)}")
     n = 0
     while n < k and draft_tokens[n] == best[n]:
         n += 1

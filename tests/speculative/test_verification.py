@@ -10,7 +10,7 @@ from torch import nn
 from kimi_helix.engine.sampling import SamplingParams
 from kimi_helix.speculative.dspark import DSparkDrafter
 from kimi_helix.speculative.proposers import NgramProposer, ProposalRequest
-from kimi_helix.speculative.verification import VerifyResult, target_probs, verify, verify_greedy
+from kimi_helix.speculative.verification import VerifyResult, accept_greedy, target_probs, verify, verify_greedy
 
 from .conftest import tiny_drafter_config
 
@@ -162,3 +162,11 @@ def test_top_k_is_respected_by_the_correction():
     for _ in range(200):
         res = verify([3], None, logits, params, gen)  # token 3 is outside the top 2: always rejected
         assert res.num_accepted == 0 and res.tokens[0] in (0, 1)
+
+
+def test_accept_greedy_takes_the_matching_prefix_then_the_first_mismatch():
+    assert accept_greedy([3, 4, 5], [3, 4, 9, 1]) == VerifyResult([3, 4, 9], 2)
+    assert accept_greedy([3, 4], [3, 4, 7]) == VerifyResult([3, 4, 7], 2)  # every draft kept, then the bonus
+    assert accept_greedy([], [6]) == VerifyResult([6], 0)
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        accept_greedy([3, 4], [3, 4])

@@ -45,11 +45,11 @@ class DSparkOutput:
 @dataclass
 class Draft:
     """Sampled drafts of N requests: `tokens` [N, k] int64, `probs` [N, k, V] fp32 (the distributions the tokens
-    were drawn from, Markov-corrected and tempered; one-hot for greedy rows), `confidence` [N, k] in [0, 1] (None
-    without a confidence head)."""
+    were drawn from, Markov-corrected and tempered; one-hot for greedy rows; None when not asked for),
+    `confidence` [N, k] in [0, 1] (None without a confidence head)."""
 
     tokens: torch.Tensor
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     confidence: torch.Tensor | None
 
 
@@ -264,24 +264,32 @@ class DSparkDrafter(PreTrainedModel):
         num_tokens: int,
         temperatures: list[float],
         generators: list[torch.Generator | None],
+        with_probs: bool = True,
     ) -> Draft:
         """Draft `num_tokens` (<= block_size) tokens for N requests, left to right through the Markov head.
 
         anchor_ids, anchor_positions [N]; ctx per layer (k, v) [N, C, H, hd] of the tokens before each anchor at
         positions 0..C-1 (ctx_valid [N, C] marks the real rows). Rows with temperature < 1e-5 draft greedily.
+        `with_probs=False` leaves `Draft.probs` None (a greedy batch needs none). Batched over the rows; with
+        every row greedy nothing reads a device value on the host (a CUDA graph can capture it).
         """
         from ...engine.sampling import GREEDY_TEMPERATURE
 
         n, g = anchor_ids.shape[0], self.config.block_size
         if not 1 <= num_tokens <= g:
             raise ValueError(f"num_tokens must be in 1..block_size={g}, got {num_tokens}")
-        block = torch.full((n, g), self.config.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        sampled = [i for i, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE]
+        device = anchor_ids.device
+        block = torch.full((n, g), self.config.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = anchor_ids
-        ctx_pos = torch.arange(ctx_valid.shape[1], device=anchor_ids.device).expand_as(ctx_valid)
+        ctx_pos = torch.arange(ctx_valid.shape[1], device=device).expand_as(ctx_valid)
         hidden = self.backbone(block, anchor_positions, ctx, ctx_pos, ctx_valid)[:, :num_tokens]
         base = self._io()[1](hidden).float()
-        tokens = torch.empty(n, num_tokens, dtype=torch.long, device=anchor_ids.device)
-        probs = torch.empty_like(base)
+        if sampled:
+            temps = torch.tensor([max(t, GREEDY_TEMPERATURE) for t in temperatures], device=device)[:, None]
+            rows = torch.tensor(sampled, device=device)
+        tokens = torch.empty(n, num_tokens, dtype=torch.long, device=device)
+        probs = torch.empty_like(base) if with_probs and sampled else None
         conf = [] if self.confidence_head is not None else None
         prev = anchor_ids
         for k in range(num_tokens):
@@ -291,14 +299,21 @@ class DSparkDrafter(PreTrainedModel):
                 logits = logits + bias.float()
             if conf is not None:
                 conf.append(torch.sigmoid(self.confidence_logits(hidden[:, k], prev)))
-            for i in range(n):
-                if temperatures[i] < GREEDY_TEMPERATURE:
-                    tokens[i, k] = logits[i].argmax()
-                    probs[i, k] = F.one_hot(tokens[i, k], logits.shape[-1]).float()
-                else:
-                    probs[i, k] = torch.softmax(logits[i] / temperatures[i], dim=-1)
-                    tokens[i, k] = torch.multinomial(probs[i, k], 1, generator=generators[i])[0]
+            tokens[:, k] = logits.argmax(dim=-1)
+            if sampled:
+                p = torch.softmax(logits / temps, dim=-1)
+                draws = [torch.multinomial(p[i], 1, generator=generators[i]) for i in sampled]
+                tokens[:, k].index_copy_(0, rows, torch.cat(draws))
+                if probs is not None:
+                    probs[:, k] = p
             prev = tokens[:, k]
+        if with_probs:
+            one_hot = F.one_hot(tokens, base.shape[-1]).float()
+            if probs is None:
+                probs = one_hot
+            else:  # greedy rows draw from a point mass
+                greedy = torch.tensor([i not in sampled for i in range(n)], device=device)
+                probs = torch.where(greedy[:, None, None], one_hot, probs)
         return Draft(tokens, probs, None if conf is None else torch.stack(conf, dim=1))
 
     # ---------------------------------------------------------------- checkpoints

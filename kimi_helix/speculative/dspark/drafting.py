@@ -1,0 +1,239 @@
+"""What `DSparkProposer` drafts with at serving time: a static per-slot context cache and CUDA graphs of the
+greedy draft forward.
+
+At the demo model's size a drafting round is all launch and host overhead, so nothing here loops over requests
+or tokens in Python, and nothing reads a device value on the host except the one copy of the drafts:
+
+- `ContextCache`: per drafter layer, the injected context keys and values [slots, capacity, H, hd] of every
+  request, written in place at their positions (`write`) and cropped by a host-side length only (rollback sets
+  the length). Masks come from the lengths on the device. It grows by doubling when a request needs more room,
+  which bumps `generation` (the graphs recapture then: they read the old tensors).
+- `DraftGraphs`: the greedy draft forward (context gather, backbone, head, Markov chain, confidence) captured
+  per (batch bucket, drafts); its static inputs are the anchor ids, anchor positions (= context lengths) and
+  slot indices, and its output packs tokens and confidences in one tensor, read with one copy. It also captures
+  the context write of a step's features (`ContextCache.write`) per token count, for features that sit in a
+  static buffer (the engine's `TargetFeatureCapture`), with the tokens' (slot, position) as static input.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from .model import DSparkDrafter
+
+logger = logging.getLogger(__name__)
+
+
+class PinnedUpload:
+    """A small int64 host-to-device staging pair: `put` writes rows into pinned memory and moves them in one
+    asynchronous copy into a device tensor of fixed address (a graph's static input). It waits for its previous
+    copy before reusing the host buffer."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device):
+        self.device = device
+        self.dev = torch.zeros(rows, cols, dtype=torch.int64, device=device)
+        self.host = torch.zeros(rows, cols, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self._pending = False
+
+    def put(self, values: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+        """values [rows, n] int64 on the host -> the device view [rows, cols or n] (columns n.. zeroed)."""
+        n = values.shape[1]
+        cols = n if cols is None else cols
+        if self._pending:
+            self._done.synchronize()
+        self.host[:, n:cols].zero_()
+        self.host[:, :n].copy_(values)
+        self.dev[:, :cols].copy_(self.host[:, :cols], non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+            self._pending = True
+        return self.dev[:, :cols]
+
+
+class ContextCache:
+    """The drafter's injected context per request slot: per layer (k, v) [slots, capacity, H, hd].
+
+    `slot_of[seq_id]` is the request's slot and `length[seq_id]` how many of its context rows are valid (host
+    ints: observe extends it, rollback lowers it, nothing is moved)."""
+
+    def __init__(self, drafter: DSparkDrafter, slots: int = 1, capacity: int = 256):
+        self.drafter = drafter
+        cfg, weight = drafter.config, drafter.fc.weight
+        self.shape = (cfg.num_attention_heads, cfg.head_dim)
+        self.device, self.dtype = weight.device, weight.dtype
+        self.slot_of: dict[int, int] = {}
+        self.length: dict[int, int] = {}
+        self.generation = 0  # bumped whenever the tensors are reallocated
+        self.kv = self._alloc(slots, capacity)
+        self._free = list(range(slots - 1, -1, -1))
+
+    def _alloc(self, slots: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (slots, capacity, *self.shape)
+        new = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
+        return [(new(), new()) for _ in self.drafter.layers]
+
+    @property
+    def slots(self) -> int:
+        return self.kv[0][0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0][0].shape[1]
+
+    def slot(self, seq_id: int) -> int:
+        """`seq_id`'s slot, assigning a free one (doubling the slots when none is free)."""
+        if seq_id not in self.slot_of:
+            if not self._free:
+                old = self.slots
+                self._grow(2 * old, self.capacity)
+                self._free = list(range(2 * old - 1, old - 1, -1))
+            self.slot_of[seq_id] = self._free.pop()
+            self.length[seq_id] = 0
+        return self.slot_of[seq_id]
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` context rows per slot (capacity doubles until it fits)."""
+        if length > self.capacity:
+            capacity = self.capacity
+            while capacity < length:
+                capacity *= 2
+            self._grow(self.slots, capacity)
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        new = self._alloc(slots, capacity)
+        s, c = self.slots, self.capacity
+        for (k, v), (nk, nv) in zip(self.kv, new):
+            nk[:s, :c].copy_(k)
+            nv[:s, :c].copy_(v)
+        self.kv = new
+        self.generation += 1
+
+    def release(self, seq_id: int) -> None:
+        if seq_id in self.slot_of:
+            self._free.append(self.slot_of.pop(seq_id))
+            self.length.pop(seq_id)
+
+    @torch.no_grad()
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> None:
+        """Context rows of T tokens: slots, positions [T] int64 (device), features [T, m*d] captured target
+        layers -> every layer's k, v written at [slot, position] (host lengths are the caller's)."""
+        new = self.drafter.context_keys_values(features.to(self.dtype), positions)
+        for (k, v), (nk, nv) in zip(self.kv, new):
+            k.index_put_((slots, positions), nk)
+            v.index_put_((slots, positions), nv)
+
+    def gather(self, slots: torch.Tensor, lengths: torch.Tensor):
+        """slots, lengths [N] int64 (device) -> (per layer (k, v) [N, capacity, H, hd], valid [N, capacity])."""
+        ctx = [(k.index_select(0, slots), v.index_select(0, slots)) for k, v in self.kv]
+        valid = torch.arange(self.capacity, device=slots.device)[None] < lengths[:, None]
+        return ctx, valid
+
+
+def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The greedy draft forward, with no host reads (capturable): inputs [3, N] int64 (anchor ids, anchor
+    positions = context lengths, slots) -> packed [N, 2 * num_tokens] float64: the draft tokens (exact as
+    float64), then their confidences (0 without a confidence head)."""
+    anchors, positions, slots = inputs
+    ctx, valid = cache.gather(slots, positions)
+    n = anchors.shape[0]
+    draft = drafter.draft(anchors, positions, ctx, valid, num_tokens, [0.0] * n, [None] * n, with_probs=False)
+    conf = draft.confidence if draft.confidence is not None else torch.zeros_like(draft.tokens, dtype=torch.float)
+    return torch.cat([draft.tokens.double(), conf.double()], dim=1)
+
+
+class DraftGraphs:
+    """CUDA graphs of `greedy_draft` per (bucket, num_tokens) and of `ContextCache.write` per token count,
+    captured on first use and dropped when the cache reallocates. A batch of n requests replays the smallest
+    bucket >= n; its padding rows draft from slot 0 with an empty context (they only read, and their outputs are
+    never looked at). A write graph reads its features at the address it was captured with, so it is keyed by
+    that address: the engine always passes the same static buffer."""
+
+    MAX_WRITE_TOKENS = 64  # larger steps (prefill chunks) write eagerly
+    MAX_WRITE_GRAPHS = 32  # features at other addresses (not the engine's buffer) stop being captured
+
+    def __init__(self, drafter: DSparkDrafter, cache: ContextCache, buckets: tuple[int, ...]):
+        if cache.device.type != "cuda":
+            raise ValueError(f"draft graphs need a CUDA drafter, it is on {cache.device}")
+        self.drafter, self.cache, self.buckets = drafter, cache, tuple(sorted(buckets))
+        self.inputs = PinnedUpload(3, self.buckets[-1], cache.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.writes: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.failed: str | None = None  # why a capture failed: everything runs eagerly from then on
+        self._where = PinnedUpload(2, self.MAX_WRITE_TOKENS, cache.device)
+        self._generation = cache.generation
+
+    def _check_generation(self) -> None:
+        if self._generation != self.cache.generation:  # the cache's tensors moved: every graph reads old ones
+            self.graphs.clear()
+            self.writes.clear()
+            self._generation = self.cache.generation
+
+    @torch.no_grad()
+    def write(self, where: torch.Tensor, features: torch.Tensor) -> bool:
+        """Replay `ContextCache.write` of T tokens: where [2, T] int64 on the host (slots, positions), features
+        [T, m*d] on the device. False (nothing written) when T or the graphs' count is over the limit."""
+        t = where.shape[1]
+        key = (tuple(features.shape), features.data_ptr(), features.stride(), features.dtype)
+        if self.failed or not 0 < t <= self.MAX_WRITE_TOKENS or features.device != self.cache.device:
+            return False
+        self._check_generation()
+        if key not in self.writes and len(self.writes) >= self.MAX_WRITE_GRAPHS:
+            return False
+        static = self._where.put(where)
+        if key not in self.writes:
+            recorded = self._record(lambda: self.cache.write(static[0], static[1], features))
+            if recorded is None:
+                return False  # the caller writes eagerly (again, if the warm-up wrote: the write is idempotent)
+            self.writes[key] = recorded[0]
+        self.writes[key].replay()
+        return True
+
+    def _record(self, fn):
+        """(a CUDA graph of `fn`, the capture's output) after one warm-up call on a side stream, whose effect is
+        then done once already (both callers are idempotent: the write and the draft forward). None, and every
+        later call eager, when the capture fails (a host sync inside, say)."""
+        device = self.cache.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn()
+        except RuntimeError as err:
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.failed = str(err)
+            logger.warning("no CUDA graph for DSpark drafting, it runs eagerly: %s", err)
+            return None
+        return graph, out
+
+    def bucket(self, n: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, n)
+        return None if i == len(self.buckets) else self.buckets[i]
+
+    @torch.no_grad()
+    def run(self, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+        """inputs [3, n] int64 on the host -> packed [n, 2 * num_tokens] on the device (see `greedy_draft`), or
+        None when n exceeds the largest bucket or capturing failed (the caller drafts eagerly)."""
+        n = inputs.shape[1]
+        bucket = self.bucket(n)
+        if bucket is None or self.failed:
+            return None
+        self._check_generation()
+        static = self.inputs.put(inputs, bucket)
+        key = (bucket, num_tokens)
+        if key not in self.graphs:
+            recorded = self._record(lambda: greedy_draft(self.drafter, self.cache, static, num_tokens))
+            if recorded is None:
+                return None
+            self.graphs[key] = recorded
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out[:n]
