@@ -16,6 +16,7 @@ from kimi_helix.modeling import KimiK3ForCausalLM
 from kimi_helix.parallel.distributed import init_distributed
 from kimi_helix.speculative import UnsupportedConfigError
 from kimi_helix.speculative.dspark import DSparkDrafter
+from kimi_helix.speculative.scheduling import StepRateTable
 
 from ..parallel.harness import PAGE_SIZE, check_all_ok, parallel_test_config, spawn
 from .conftest import OracleProposer, tiny_drafter_config
@@ -61,6 +62,12 @@ def _spec_rank(rank, world, tp, cp, specs, drafter_dir):
                 llm.speculative.proposer = _oracle(plain)
             if name == "sampled":
                 torch.manual_seed(100 + rank)  # the ranks' global RNGs differ, as unrelated processes' may
+            if name == "confident":
+                # Each rank profiled its own table; replace them with rank-dependent ones that do not hang on CPU
+                # timings: on rank 0 drafts cost nothing (Algorithm 1 admits them), on rank 1 they cost so much that
+                # it alone would admit none. Rank 0's lengths must hold on both.
+                steep = [1.0, 1e-6] if rank else [1.0, 1.0]
+                llm.speculative.step_rate = StepRateTable([1, 64], steep)
             got = llm.generate(PROMPTS, SAMPLED if name == "sampled" else GREEDY, use_tqdm=False)
             m = llm.speculative.metrics
             out[name] = {"tokens": [o.token_ids for o in got], "rounds": m.rounds, "by_pos": m.acceptance_by_position}
@@ -94,7 +101,7 @@ LAYOUTS = {
             ("dspark3", _dspark(3)),
             ("forced", _dspark(3)),
             ("sampled", _dspark(3)),
-            # each rank profiles its own step-rate table; the lengths Algorithm 1 gives on rank 0 hold everywhere
+            # the ranks' step-rate tables differ; the lengths Algorithm 1 gives on rank 0 hold everywhere
             ("confident", {**_dspark(3), "confidence_scheduling": True}),
         ],
     ),
