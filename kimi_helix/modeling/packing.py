@@ -22,19 +22,27 @@ PACK_DEVICES = ("cuda",)
 MAX_PACKINGS = 2  # the first, and one after a conversion (`model.to(...)`) replaced the weights
 
 
+def _blocks(ws: list[torch.Tensor], diagonal: bool) -> list[tuple[slice, slice]]:
+    """Where each of `ws` sits in their packed weight: (rows, columns) of its block, in order."""
+    blocks, row, col = [], 0, 0
+    for w in ws:
+        n, k = w.shape
+        blocks.append((slice(row, row + n), slice(col, col + k) if diagonal else slice(None)))
+        row, col = row + n, col + (k if diagonal else 0)
+    return blocks
+
+
 def blocks_of(packed: torch.Tensor, ws: list[torch.Tensor], diagonal: bool = False) -> bool:
     """Whether `ws` are, in order, the row blocks (or diagonal blocks) of `packed` that tile it (none replaced)."""
-    row = col = 0
-    base, size, stride = packed.data_ptr(), packed.element_size(), packed.stride(0)
-    for w in ws:
-        if w.device != packed.device or w.dtype != packed.dtype or w.dim() != 2 or w.stride() != (stride, 1):
-            return False
-        if not diagonal and w.shape[1] != packed.shape[1]:
-            return False
-        if w.data_ptr() != base + (row * stride + col) * size:
-            return False
-        row, col = row + w.shape[0], col + (w.shape[1] if diagonal else 0)
-    return row == packed.shape[0] and (col == packed.shape[1] if diagonal else True)
+    if any(w.dim() != 2 or w.device != packed.device or w.dtype != packed.dtype for w in ws):
+        return False
+    rows, cols = sum(w.shape[0] for w in ws), sum(w.shape[1] for w in ws) if diagonal else ws[0].shape[1]
+    if (rows, cols) != tuple(packed.shape):
+        return False
+    views = [packed[block] for block in _blocks(ws, diagonal)]
+    return all(
+        w.shape == v.shape and w.stride() == v.stride() and w.data_ptr() == v.data_ptr() for w, v in zip(ws, views)
+    )
 
 
 def _key(linears: list[nn.Module]) -> list:
@@ -71,12 +79,10 @@ class WeightPack:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         with torch.no_grad(), torch.inference_mode(False):
-            packed = self._pack([w.detach() for w in ws])
-            row = col = 0
-            for w in ws:  # the same Parameter objects, now views
-                n, k = w.shape
-                w.data = packed[row : row + n, col : col + k] if self.diagonal else packed[row : row + n]
-                row, col = row + n, col + (k if self.diagonal else 0)
+            blocks = _blocks(ws, self.diagonal)
+            packed = self._pack([w.detach() for w in ws], blocks)
+            for w, block in zip(ws, blocks):  # the same Parameter objects, now views
+                w.data = packed[block]
         assert blocks_of(packed, ws, self.diagonal)
         self.packed, self.packings = packed, self.packings + 1
         self.key = _key(linears)
@@ -87,12 +93,10 @@ class WeightPack:
         if self.packed is not None and _key(linears) != self.key:
             self.packed = None
 
-    def _pack(self, ws: list[torch.Tensor]) -> torch.Tensor:
+    def _pack(self, ws: list[torch.Tensor], blocks: list[tuple[slice, slice]]) -> torch.Tensor:
         if not self.diagonal:
             return torch.cat(ws)
-        packed = ws[0].new_zeros(sum(w.shape[0] for w in ws), sum(w.shape[1] for w in ws))
-        row = col = 0
-        for w in ws:
-            packed[row : row + w.shape[0], col : col + w.shape[1]] = w
-            row, col = row + w.shape[0], col + w.shape[1]
+        packed = ws[0].new_zeros(blocks[-1][0].stop, blocks[-1][1].stop)
+        for w, block in zip(ws, blocks):
+            packed[block] = w
         return packed
