@@ -95,6 +95,7 @@ class StepBuffers:
         self.device = torch.device(device)
         self._layouts: dict[tuple[int, int, int], tuple] = {}
         self._device_fields: dict[tuple[int, int, int], StepFields] = {}
+        self._host_fields: dict[tuple[int, int, int], StepFields] = {}
         nbytes = self._end(max_tokens, max_seqs, max_tokens)
         self.device_bytes = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.host_bytes = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -122,6 +123,7 @@ class StepBuffers:
             if len(self._layouts) >= 1024:  # prefill shapes vary; keep the cache bounded
                 self._layouts.clear()
                 self._device_fields.clear()
+                self._host_fields.clear()
             layout = self._layouts[key] = tuple(self._offsets(t, n, r))
         return layout
 
@@ -146,13 +148,17 @@ class StepBuffers:
         """Numpy views of the pinned host buffer to fill, once the previous upload has left it (normally long done)."""
         if self._uploaded is not None and not self._uploaded.query():
             self._uploaded.synchronize()
-        host = self._host_np
-        views = {
-            name: host[offset : offset + count * dtype.itemsize].view(_NUMPY[dtype])
-            for name, offset, count, dtype in self._layout(t, n, r)
-        }
-        views["block_table"] = views["block_table"].reshape(n, self.max_pages)
-        return StepFields(**views)
+        key = (t, n, r)
+        cached = self._host_fields.get(key)
+        if cached is None:
+            host = self._host_np
+            views = {
+                name: host[offset : offset + count * dtype.itemsize].view(_NUMPY[dtype])
+                for name, offset, count, dtype in self._layout(t, n, r)
+            }
+            views["block_table"] = views["block_table"].reshape(n, self.max_pages)
+            cached = self._host_fields[key] = StepFields(**views)
+        return cached
 
     def upload(self, t: int, n: int, r: int) -> None:
         """Copy the step's bytes to the device in one non-blocking copy from pinned memory."""
