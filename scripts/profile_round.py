@@ -108,7 +108,6 @@ def profile(model_dir: Path, prompt, method: str, k: int, drafter, args) -> None
         one = SamplingParams(max_tokens=1, temperature=0.0)
         gpu_kernels(llm, [prompt], one, sync, 1, "prefill", args.top)
         host_hotspots(lambda: (llm.generate([prompt], one, use_tqdm=False), sync()), args.top)
-    del llm
 
 
 def host_hotspots(fn, top: int) -> None:
