@@ -104,21 +104,25 @@ def profile(model_dir: Path, prompt, method: str, k: int, drafter, args) -> None
     for label in sorted(totals, key=lambda x: -totals[x]):
         print(f"  {label:<20}{1e3 * totals[label] / rounds:8.3f}   calls {counts[label]}")
     gpu_kernels(llm, [prompt], params, sync, rounds, "round", args.top)
+    if method != "plain":
+        host_hotspots(lambda: (llm.generate([prompt], params, use_tqdm=False), sync()), args.top, "the generate")
     if method == "plain":  # the prompt's step alone: one token
         one = SamplingParams(max_tokens=1, temperature=0.0)
         gpu_kernels(llm, [prompt], one, sync, 1, "prefill", args.top)
-        host_hotspots(lambda: (llm.generate([prompt], one, use_tqdm=False), sync()), args.top)
+        host_hotspots(lambda: (llm.generate([prompt], one, use_tqdm=False), sync()), args.top, "the prefill step")
 
 
-def host_hotspots(fn, top: int) -> None:
-    """The Python functions of most own time in `fn()` (cProfile)."""
+def host_hotspots(fn, top: int, what: str) -> None:
+    """The Python functions of most own time in `fn()`, and the package's of most inclusive time (cProfile)."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     prof.runcall(fn)
-    print("host hotspots of the prefill step (cProfile, own time):")
+    print(f"host hotspots of {what} (cProfile, own time):")
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    print(f"the package's functions in {what} (cProfile, inclusive time):")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats("kimi_helix", 2 * top)
 
 
 def gpu_kernels(llm: LLM, prompts, params, sync, per: int, what: str, top: int) -> None:
