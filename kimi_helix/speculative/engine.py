@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..kernels.backends import dtype_name
@@ -153,8 +154,13 @@ class SpeculativeDecoder:
         if not groups:
             return []
         spans = [(out.rows[i].stop - len(step.token_ids[i]), out.rows[i].stop) for i in groups]
-        index = torch.cat([torch.arange(a, b) for a, b in spans]).to(out.logits.device, non_blocking=True)
-        best = out.logits.index_select(0, index).argmax(dim=-1).tolist()  # the same argmax as `sample`
+        ends = [0] + [b for _, b in spans]
+        if all(a == end for (a, _), end in zip(spans, ends)) and ends[-1] == out.logits.shape[0]:
+            rows = out.logits  # the groups' rows are all the rows, in order (a verify-only step): no gather
+        else:
+            index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
+            rows = out.logits.index_select(0, index.to(out.logits.device, non_blocking=True))
+        best = rows.argmax(dim=-1).tolist()  # the same argmax as `sample`
         results, offset = [], 0
         for i in groups:
             rows, offset = best[offset : offset + len(step.token_ids[i])], offset + len(step.token_ids[i])

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..engine.cuda_graph import default_buckets
@@ -148,12 +149,12 @@ class DSparkProposer(Proposer):
             raise ValueError(f"features hold {features.shape[0]} rows, the counts {counts} sum to {sum(counts)}")
         slots = [self.cache.slot(s) for s in seq_ids]  # may grow the cache (and bump its generation)
         self.cache.reserve(max(s + n for s, n in zip(starts, counts)))
-        counts_t = torch.tensor(counts)
-        first = torch.tensor(starts) - torch.cumsum(counts_t, 0) + counts_t  # start - tokens before the request
-        where = torch.stack(
+        counts_np = np.asarray(counts, dtype=np.int64)
+        before = np.cumsum(counts_np) - counts_np  # the step's tokens before each request's
+        where = np.stack(
             [
-                torch.repeat_interleave(torch.tensor(slots), counts_t),
-                torch.arange(features.shape[0]) + torch.repeat_interleave(first, counts_t),
+                np.repeat(np.asarray(slots, dtype=np.int64), counts_np),
+                np.arange(features.shape[0]) + np.repeat(np.asarray(starts, dtype=np.int64) - before, counts_np),
             ]
         )
         if self.graphs is None or not self.graphs.write(where, features):
@@ -183,7 +184,8 @@ class DSparkProposer(Proposer):
                 )
         k = min(max(r.num_tokens for r in requests), self.drafter.config.block_size)
         slots = [self.cache.slot(r.seq_id) for r in requests]
-        inputs = torch.tensor([[r.token_ids[-1] for r in requests], [len(r.token_ids) - 1 for r in requests], slots])
+        anchors = [r.token_ids[-1] for r in requests]
+        inputs = np.array([anchors, [len(r.token_ids) - 1 for r in requests], slots], dtype=np.int64)
         greedy = all(r.temperature < GREEDY_TEMPERATURE for r in requests)
         packed = self.graphs.run(inputs, k) if greedy and self.graphs is not None else None
         probs = None
