@@ -9,7 +9,9 @@ Prompts are held out from the drafter's training: lines of the held-out split of
 (`scripts/demo_prompts.py`; the drafter trains on the train split), or the last tenth of `--prompts`, cut to
 `--prompt-len` tokens. Each method (plain; ngram and dspark at every `--k`) gets its own `LLM` at every batch
 size in `--batch-sizes`: the prompts run `batch` at a time, greedy, `--max-tokens` new tokens each (EOS ignored,
-so every case decodes the same number of tokens), after one untimed warm-up call.
+so every case decodes the same number of tokens), after an untimed warm-up pass over the same prompts: greedy
+decoding then meets exactly the step shapes it met in the warm-up, so every CUDA graph (target steps, verify
+groups of each length, draft rounds of each k) is captured before the clock starts.
 
 Per case: tokens/s (generated tokens over the wall clock of the timed `generate` calls), the speedup over plain
 decoding at the same batch size and tokens per engine step (the batch size for plain decoding); for speculative
@@ -149,7 +151,8 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
               max_model_len=max_len, num_pages=pages, speculative_config=spec,
               enforce_eager=method == "plain-eager")  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:batch], SamplingParams(max_tokens=min(16, args.max_tokens), temperature=0.0), use_tqdm=False)
+    for i in range(0, len(prompts), batch):  # the timed pass's shapes, so no graph is captured while timed
+        llm.generate(prompts[i : i + batch], params, use_tqdm=False)
     if llm.speculative is not None:
         llm.speculative.metrics = SpeculativeMetrics()  # the timed calls only
     first_step = len(llm.metrics)
