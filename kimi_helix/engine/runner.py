@@ -197,6 +197,9 @@ class ModelRunner:
         self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
         # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
         self.graphs = None
+        # called as input_patch(step, input_ids [T] device) once a step's inputs are uploaded and before its forward:
+        # the speculative decoder writes drafts that are still on the device into their verify rows
+        self.input_patch = None
 
     def run(self, step: ScheduledStep) -> RunnerOutput:
         """Prepare the inputs, run the forward pass, return the logits at the requested rows; commit lengths."""
@@ -238,6 +241,8 @@ class ModelRunner:
             self._stage_padding(host, padding, n_live)
         self.buffers.upload(t, n, len(index))
         dev = self.buffers.fields(t, n, len(index))
+        if self.input_patch is not None and n_live:
+            self.input_patch(step, dev.input_ids[:t_live])
         batch = ForwardBatch(
             seq_lens=step.num_tokens,
             context_lens=contexts,

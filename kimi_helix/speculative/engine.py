@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.runner import PAD_TOKEN_ID
 from ..kernels.backends import dtype_name
 from ..modeling.batch import Phase
 from ..modeling.checkpoint import read_config
 from .dspark.capture import TargetFeatureCapture
 from .dspark.config import DSparkConfig
+from .dspark.drafting import PinnedUpload
 from .dspark.model import DSparkDrafter
-from .proposers import DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
+from .proposers import DeviceDrafts, DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from .scheduling import StepRateTable, cached_step_rate, confidence_schedule, profile_step_rate
 from .validator import Reason, SpeculativeConfig, UnsupportedConfigError, validate_speculative_config
 from .verification import VerifyResult, accept_greedy, verify
@@ -90,6 +92,9 @@ class SpeculativeDecoder:
         self.device = model.get_input_embeddings().weight.device
         self.metrics = SpeculativeMetrics()
         self._proposals: dict[int, Proposal] = {}
+        self._on_device: DeviceDrafts | None = None  # this round's drafts left on the device, and their rows
+        self._device_rows: dict[int, int] = {}
+        self._patch = PinnedUpload(2, 64, self.device)  # (input row, draft index) pairs of a patch
         self.capture = (
             TargetFeatureCapture(model, proposer.target_layer_ids, max_tokens).attach()
             if proposer.target_layer_ids
@@ -105,6 +110,15 @@ class SpeculativeDecoder:
             ProposalRequest(r.request_id, r.token_ids, limit[r.request_id], r.params.temperature, r.generator)
             for r in ready
         ]
+        self._on_device = None
+        if self.step_rate is None and self.comm is None:  # no host-side choice of lengths, no broadcast
+            self._on_device = self.proposer.propose_on_device(asks)
+        if self._on_device is not None:
+            # Placeholders until `verify_groups` reads the drafts: `patch_inputs` writes the real ones on the device.
+            self._device_rows = {r.request_id: i for i, r in enumerate(ready)}
+            for r, n in zip(ready, self._on_device.counts):
+                r.draft_token_ids = [PAD_TOKEN_ID] * n
+            return
         proposals = self.proposer.propose(asks)
         lengths = [len(p.token_ids) for p in proposals]
         if self.step_rate is not None:
@@ -114,6 +128,40 @@ class SpeculativeDecoder:
         for r, proposal, tokens in zip(ready, proposals, drafts):
             self._proposals[r.request_id] = proposal
             r.draft_token_ids = tokens
+
+    def patch_inputs(self, step, input_ids: torch.Tensor) -> None:
+        """The runner's `input_patch`: write this round's device drafts into their verify groups' rows of the
+        uploaded input_ids [T] (the scheduler's step holds placeholders there until `verify_groups`)."""
+        drafts = self._on_device
+        if drafts is None:
+            return
+        k, dst, src, start = drafts.tokens.shape[1], [], [], 0
+        for request, phase, tokens in zip(step.requests, step.phases, step.token_ids):
+            row = self._device_rows.get(request.request_id)
+            if row is not None and phase is Phase.VERIFY:
+                dst += range(start + 1, start + len(tokens))
+                src += range(row * k, row * k + len(tokens) - 1)
+            start += len(tokens)
+        if not dst:
+            return
+        if dst[-1] - dst[0] == len(dst) - 1 and src[-1] - src[0] == len(src) - 1:  # one run (batch 1): a slice
+            input_ids[dst[0] : dst[-1] + 1].copy_(drafts.tokens.view(-1)[src[0] : src[-1] + 1])
+            return
+        if self._patch.dev.shape[1] < len(dst):
+            self._patch = PinnedUpload(2, max(len(dst), 2 * self._patch.dev.shape[1]), self.device)
+        where = self._patch.put([dst, src])
+        input_ids.index_copy_(0, where[0], drafts.tokens.view(-1).index_select(0, where[1]))
+
+    def _read_device_drafts(self, step) -> None:
+        """Replace the placeholders of this round's device drafts by the drafts (one copy to the host, which also
+        waits for the verify step queued after them)."""
+        drafts, self._on_device = self._on_device, None
+        rows = drafts.tokens.tolist()
+        for i, (request, tokens) in enumerate(zip(step.requests, step.token_ids)):
+            row = self._device_rows.get(request.request_id)
+            if row is not None and step.phases[i] is Phase.VERIFY:
+                tokens[1:] = rows[row][: len(tokens) - 1]
+                request.draft_token_ids = tokens[1:]
 
     def observe(self, step) -> None:
         """Hand the proposer the captured features of every token of `step` (call right after the runner)."""
@@ -129,6 +177,8 @@ class SpeculativeDecoder:
 
         A group's drafts are its tokens after the first (the k the scheduler kept); its k + 1 logit rows are the
         last of the request's rows."""
+        if self._on_device is not None:
+            self._read_device_drafts(step)
         groups = [i for i, phase in enumerate(step.phases) if phase is Phase.VERIFY]
         greedy = [i for i in groups if step.requests[i].params.greedy]
         results = dict(zip(greedy, self._verify_greedy(step, out, greedy)))
@@ -267,7 +317,7 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
             rate = cached_step_rate(spec.step_rate_table, key + layout, step, sizes, save=save, synchronize=sync)
     cp = 1 if llm.comm is None else llm.comm.mapping.cp
     max_tokens = llm.runner.buffers.max_tokens if proposer.target_layer_ids else None  # the capture's rows
-    return SpeculativeDecoder(
+    decoder = SpeculativeDecoder(
         model,
         proposer,
         spec.num_speculative_tokens,
@@ -276,6 +326,8 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
         token_weight=cp,
         max_tokens=max_tokens,
     )
+    llm.runner.input_patch = decoder.patch_inputs
+    return decoder
 
 
 def verify_step(llm, group: int):

@@ -45,6 +45,15 @@ class Proposal:
     confidence: list[float] | None = None
 
 
+@dataclass
+class DeviceDrafts:
+    """Greedy drafts left on the device (`Proposer.propose_on_device`): request i's `counts[i]` drafts are
+    tokens[i, :counts[i]] ([N, k] int64, device)."""
+
+    tokens: torch.Tensor
+    counts: list[int]
+
+
 class Proposer:
     """The protocol, with no-op defaults for proposers that keep no per-request state."""
 
@@ -54,6 +63,12 @@ class Proposer:
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         """One `Proposal` per request, in order."""
         raise NotImplementedError
+
+    def propose_on_device(self, requests: Sequence[ProposalRequest]) -> DeviceDrafts | None:
+        """Optional: greedy drafts for every request without reading them on the host (the engine then writes them
+        into the verify step's inputs on the device and reads them once, with the verification). None: not
+        offered for these requests (the default), and `propose` serves them."""
+        return None
 
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
         """Captured target features [n, m*d] of the tokens at positions start..start+n-1 of `seq_id`."""
@@ -176,23 +191,11 @@ class DSparkProposer(Proposer):
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         if not requests:
             return []
-        for r in requests:
-            if self.context_len(r.seq_id) != len(r.token_ids) - 1:
-                raise ValueError(
-                    f"request {r.seq_id}: the draft context holds {self.context_len(r.seq_id)} tokens but the anchor "
-                    f"sits at position {len(r.token_ids) - 1}; observe() every token the target runs"
-                )
-        k = min(max(r.num_tokens for r in requests), self.drafter.config.block_size)
-        slots = [self.cache.slot(r.seq_id) for r in requests]
-        anchors = [r.token_ids[-1] for r in requests]
-        inputs = np.array([anchors, [len(r.token_ids) - 1 for r in requests], slots], dtype=np.int64)
-        greedy = all(r.temperature < GREEDY_TEMPERATURE for r in requests)
+        inputs, k, greedy = self._inputs(requests)
         packed = self.graphs.run(inputs, k) if greedy and self.graphs is not None else None
         probs = None
         if packed is None:
-            if self._asked.dev.shape[1] < len(requests):
-                self._asked = PinnedUpload(3, len(requests), self.cache.device)
-            dev = self._asked.put(inputs)
+            dev = self._upload(inputs)
             if greedy:
                 packed = greedy_draft(self.drafter, self.cache, dev, k)
             else:
@@ -205,6 +208,39 @@ class DSparkProposer(Proposer):
             conf = row[k : k + n] if has_conf else None
             out.append(Proposal([int(t) for t in row[:n]], None if probs is None else probs[i, :n], conf))
         return out
+
+    def propose_on_device(self, requests: Sequence[ProposalRequest]) -> DeviceDrafts | None:
+        """All-greedy rounds: the draft forward (graph-replayed where it can be) with its tokens left on the device,
+        so the drafter runs while the host stages the verify step."""
+        if not requests:
+            return None
+        inputs, k, greedy = self._inputs(requests)
+        if not greedy:
+            return None
+        packed = self.graphs.run(inputs, k) if self.graphs is not None else None
+        if packed is None:
+            packed = greedy_draft(self.drafter, self.cache, self._upload(inputs), k)
+        return DeviceDrafts(packed[:, :k].long(), [min(r.num_tokens, k) for r in requests])
+
+    def _inputs(self, requests: Sequence[ProposalRequest]) -> tuple[np.ndarray, int, bool]:
+        """(the draft forward's inputs [3, N]: anchors, their positions, slots; the drafts k; all greedy?)"""
+        for r in requests:
+            if self.context_len(r.seq_id) != len(r.token_ids) - 1:
+                raise ValueError(
+                    f"request {r.seq_id}: the draft context holds {self.context_len(r.seq_id)} tokens but the anchor "
+                    f"sits at position {len(r.token_ids) - 1}; observe() every token the target runs"
+                )
+        k = min(max(r.num_tokens for r in requests), self.drafter.config.block_size)
+        slots = [self.cache.slot(r.seq_id) for r in requests]
+        anchors = [r.token_ids[-1] for r in requests]
+        inputs = np.array([anchors, [len(r.token_ids) - 1 for r in requests], slots], dtype=np.int64)
+        return inputs, k, all(r.temperature < GREEDY_TEMPERATURE for r in requests)
+
+    def _upload(self, inputs: np.ndarray) -> torch.Tensor:
+        """An eager round's inputs on the device (the graphs keep their own static copy)."""
+        if self._asked.dev.shape[1] < inputs.shape[1]:
+            self._asked = PinnedUpload(3, inputs.shape[1], self.cache.device)
+        return self._asked.put(inputs)
 
     @torch.no_grad()
     def _sampled_draft(self, requests, inputs: torch.Tensor, k: int):

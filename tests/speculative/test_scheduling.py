@@ -114,7 +114,7 @@ def test_decoder_prices_drafts_by_cp_under_helix(target):
         assert [len(r.draft_token_ids) for r in requests] == want
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     for comm, weight in ((None, 1), (type("Comm", (), {"mapping": Mapping(tp=2, cp=3)})(), 3)):
-        llm = type("LLM", (), {"model": target, "comm": comm})()
+        llm = type("LLM", (), {"model": target, "comm": comm, "runner": type("Runner", (), {})()})()
         assert build_speculative_decoder(spec, llm, None).token_weight == weight
 
 
