@@ -170,43 +170,16 @@ class LLM:
                 cp=context_parallel_size,
             )
         folder = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", None)
-        self.comm = None
-        if parallel:
-            from ..parallel.engine import parallel_model
-
-            model, self.comm = parallel_model(
-                model, tensor_parallel_size, context_parallel_size, dtype=dtype, device=device, timeout_s=dist_timeout_s
-            )
-            device = device or next(model.parameters()).device
-        self.model, device = _load_model(model, dtype, _check_device(device), device_map)
+        self._place_model(
+            model, dtype, device, device_map, (tensor_parallel_size, context_parallel_size), dist_timeout_s
+        )
         self.tokenizer = tokenizer if tokenizer is not None else _folder_tokenizer(folder)
         self.backends = backends
         self.model.model.set_backends(backends)
-        self.device = device
-        config = self.model.config
-        if max_model_len is not None and max_model_len > config.model_max_length:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's model_max_length={config.model_max_length}"
-            )
-        self.max_model_len = max_model_len or min(config.model_max_length, 8192)
+        self.max_model_len = self._check_max_model_len(max_model_len)
         if num_pages is None:
             num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
-        # CUDA graphs (one process only for now) keep one extra state slot and page for their padding rows.
-        use_graphs = device.type == "cuda" and not enforce_eager and self.comm is None
-        self.cache = self._build_cache(num_pages, page_size, max_num_seqs, kv_cache_dtype, extra=int(use_graphs))
-        ledger = self.cache.ledger
-        self.scheduler = Scheduler(ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(
-            self.model,
-            self.cache,
-            device,
-            max_num_seqs=max_num_seqs,
-            max_num_tokens=max_num_batched_tokens,
-            max_pages_per_seq=cdiv(self.max_model_len, page_size),
-            attention_backend=backends.attention,
-        )
-        if use_graphs:
-            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=min(8, page_size - 1))
+        self._build_engine(num_pages, page_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, enforce_eager)
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
         self.speculative = None
@@ -215,6 +188,43 @@ class LLM:
 
             self.speculative = build_speculative_decoder(spec, self, proposer)
         self._lock = threading.Lock()
+
+    def _place_model(self, model, dtype, device, device_map, parallel_sizes: tuple[int, int], timeout_s: float):
+        """Sets `self.model`, `self.device` and `self.comm`: under tp * cp > 1 (`parallel_sizes`) this rank's shard
+        and its communicator, else the whole model (loaded from a directory, or moved and cast) and None."""
+        self.comm = None
+        if parallel_sizes[0] * parallel_sizes[1] > 1:
+            from ..parallel.engine import parallel_model
+
+            model, self.comm = parallel_model(model, *parallel_sizes, dtype=dtype, device=device, timeout_s=timeout_s)
+            device = device or next(model.parameters()).device
+        self.model, self.device = _load_model(model, dtype, _check_device(device), device_map)
+
+    def _check_max_model_len(self, max_model_len: int | None) -> int:
+        """The request length cap: `max_model_len` (at most the config's `model_max_length`), or by default that
+        capped at 8192."""
+        limit = self.model.config.model_max_length
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's model_max_length={limit}")
+        return max_model_len or min(limit, 8192)
+
+    def _build_engine(self, num_pages, page_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, eager):
+        """The cache, scheduler and model runner; on CUDA (one process, not `eager`) also the step graphs."""
+        # CUDA graphs (one process only for now) keep one extra state slot and page for their padding rows.
+        use_graphs = self.device.type == "cuda" and not eager and self.comm is None
+        self.cache = self._build_cache(num_pages, page_size, max_num_seqs, kv_cache_dtype, extra=int(use_graphs))
+        self.scheduler = Scheduler(self.cache.ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model,
+            self.cache,
+            self.device,
+            max_num_seqs=max_num_seqs,
+            max_num_tokens=max_num_batched_tokens,
+            max_pages_per_seq=cdiv(self.max_model_len, page_size),
+            attention_backend=self.backends.attention,
+        )
+        if use_graphs:
+            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=min(8, page_size - 1))
 
     def _build_cache(self, num_pages: int, page_size: int, max_num_seqs: int, kv_cache_dtype: str, extra: int):
         """The paged cache: one process's (`extra` more pages and state slots for CUDA-graph padding rows), or

@@ -189,21 +189,7 @@ def plan_memory(
             f"max_num_seqs={max_num_seqs}) leave nothing for the cache"
         )
 
-    token_bytes = cache_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
-    page_bytes = page_size * token_bytes
-    # Helix's ownership rule places pages 0, cp, 2cp, ... of a sequence on cp rank 0, the fullest rank.
-    seq_pages_rank0 = Ownership(page_size, cp, 0).local_pages(max_model_len)
-    seq_cache = seq_pages_rank0 * page_bytes
-    state = kda_state_bytes_per_rank(config, world, dtype_bytes)
-
-    left = max(0, free - max_num_seqs * state)
-    if page_bytes:
-        pages_per_rank = left // page_bytes
-        max_tokens = pages_per_rank * page_size * cp
-    else:  # no MLA layer: tokens cost no cache, so only max_model_len bounds them
-        pages_per_rank = 0
-        max_tokens = max_num_seqs * max_model_len if free >= max_num_seqs * state else 0
-    max_seqs = free // (seq_cache + state)  # > 0: a model has MLA or KDA layers
+    cache = _cache_capacity(config, free, dtype_bytes, kv_cache_dtype, page_size, (tp, cp), max_num_seqs, max_model_len)
     return MemoryPlan(
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_memory_utilization=gpu_memory_utilization,
@@ -220,15 +206,47 @@ def plan_memory(
         draft_weight_bytes=draft,
         activation_reserve_bytes=activation,
         free_bytes_for_cache=free,
-        mla_cache_bytes_per_token=token_bytes,
-        mla_cache_bytes_per_token_per_rank=token_bytes / cp,
-        page_bytes=page_bytes,
-        mla_cache_bytes_per_sequence_per_rank=seq_cache,
-        kda_state_bytes_per_sequence_per_rank=state,
-        num_pages_per_rank=pages_per_rank,
-        max_concurrent_tokens=max_tokens,
-        max_concurrent_sequences=max_seqs,
+        **cache,
     )
+
+
+def _cache_capacity(
+    config: KimiK3Config,
+    free: int,
+    dtype_bytes: int,
+    kv_cache_dtype: str,
+    page_size: int,
+    parallel_sizes: tuple[int, int],
+    max_num_seqs: int,
+    max_model_len: int,
+) -> dict[str, int | float]:
+    """`MemoryPlan`'s cache fields for `free` bytes per rank at (tp, cp) = `parallel_sizes`: the per-token, per-page
+    and per-sequence sizes, and the pages, tokens and sequences that fit with rank 0 (the fullest) as the limit."""
+    tp, cp = parallel_sizes
+    token_bytes = cache_bytes_per_token(config, dtype_bytes, kv_cache_dtype)
+    page_bytes = page_size * token_bytes
+    # Helix's ownership rule places pages 0, cp, 2cp, ... of a sequence on cp rank 0, the fullest rank.
+    seq_pages_rank0 = Ownership(page_size, cp, 0).local_pages(max_model_len)
+    seq_cache = seq_pages_rank0 * page_bytes
+    state = kda_state_bytes_per_rank(config, tp * cp, dtype_bytes)
+
+    left = max(0, free - max_num_seqs * state)
+    if page_bytes:
+        pages_per_rank = left // page_bytes
+        max_tokens = pages_per_rank * page_size * cp
+    else:  # no MLA layer: tokens cost no cache, so only max_model_len bounds them
+        pages_per_rank = 0
+        max_tokens = max_num_seqs * max_model_len if free >= max_num_seqs * state else 0
+    return {
+        "mla_cache_bytes_per_token": token_bytes,
+        "mla_cache_bytes_per_token_per_rank": token_bytes / cp,
+        "page_bytes": page_bytes,
+        "mla_cache_bytes_per_sequence_per_rank": seq_cache,
+        "kda_state_bytes_per_sequence_per_rank": state,
+        "num_pages_per_rank": pages_per_rank,
+        "max_concurrent_tokens": max_tokens,
+        "max_concurrent_sequences": free // (seq_cache + state),  # > 0: a model has MLA or KDA layers
+    }
 
 
 def _check_plan_args(

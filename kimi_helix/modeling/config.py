@@ -152,14 +152,9 @@ class KimiK3Config(PretrainedConfig):
         pad_token_id: int | None = 163839,
         **kwargs: Any,
     ):
-        if rope_scaling is not None:
-            raise ConfigError(
-                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
-            )
-        if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
-            raise ConfigError(f"KimiK3Config.linear_attn_config must be an object, got {linear_attn_config!r}")
-        lac = self._fold_transformers_fields(dict(linear_attn_config or {}), kwargs)
-        layer_types, mlp_layer_types, qk_head_dim = _pop_derived_fields(kwargs)
+        lac, layer_types, mlp_layer_types, qk_head_dim = self._read_extra_fields(
+            rope_scaling, linear_attn_config, kwargs
+        )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -196,11 +191,7 @@ class KimiK3Config(PretrainedConfig):
         self.initializer_range = initializer_range
         self.use_cache = use_cache
 
-        self.linear_attn_config = _complete_layer_lists(lac, num_hidden_layers, layer_types)
-        _check_int("num_hidden_layers", self.num_hidden_layers)
-        _check_int("num_experts", self.num_experts, minimum=0)
-        self._validate_layers()  # before PretrainedConfig's own validators read `layer_types`
-        self._resolve_mlp_layer_types(mlp_layer_types)
+        self._resolve_layers(lac, layer_types, mlp_layer_types)  # before PretrainedConfig's validators read them
 
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
@@ -211,6 +202,28 @@ class KimiK3Config(PretrainedConfig):
         )
         self.validate_fields()
         self._check_derived_fields(layer_types, qk_head_dim)
+
+    @classmethod
+    def _read_extra_fields(cls, rope_scaling: Any, linear_attn_config: Any, kwargs: dict) -> tuple[dict, Any, Any, Any]:
+        """Check the arguments that have no attribute of their own and pop transformers' extra fields from `kwargs`:
+        (`linear_attn_config` with the flat `linear_*` fields folded in, `layer_types`, `mlp_layer_types`,
+        `qk_head_dim`), the last three checked once the config is built."""
+        if rope_scaling is not None:
+            raise ConfigError(
+                f"KimiK3Config.rope_scaling must be None (no scaled RoPE is implemented), got {rope_scaling!r}"
+            )
+        if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
+            raise ConfigError(f"KimiK3Config.linear_attn_config must be an object, got {linear_attn_config!r}")
+        lac = cls._fold_transformers_fields(dict(linear_attn_config or {}), kwargs)
+        return (lac, *_pop_derived_fields(kwargs))
+
+    def _resolve_layers(self, lac: dict, layer_types: Any, mlp_layer_types: Any) -> None:
+        """Set `linear_attn_config` (its layer lists completed) and the MoE layer pattern, checking both."""
+        self.linear_attn_config = _complete_layer_lists(lac, self.num_hidden_layers, layer_types)
+        _check_int("num_hidden_layers", self.num_hidden_layers)
+        _check_int("num_experts", self.num_experts, minimum=0)
+        self._validate_layers()
+        self._resolve_mlp_layer_types(mlp_layer_types)
 
     @staticmethod
     def _fold_transformers_fields(lac: dict, kwargs: dict) -> dict:

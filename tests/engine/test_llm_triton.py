@@ -29,13 +29,16 @@ def test_all_triton_engine_equals_torch_engine(fresh_selection, caplog):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 19)]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    # 128 keys a sequence at most: decode still splits them (over 4 programs), where the default 8192 would launch
+    # 128 splits of mostly empty pages through the interpreter.
+    engine = dict(page_size=16, max_model_len=128)
     with caplog.at_level(logging.INFO, logger="kimi_helix.kernels.backends"):
-        fast = LLM(model, page_size=16, attention_backend="triton", kernel_backend="triton").generate(prompts, params)
+        fast = LLM(model, **engine, attention_backend="triton", kernel_backend="triton").generate(prompts, params)
     chosen = " ".join(caplog.messages)
     for op in OPS:  # the projections' `linear` is always chosen automatically (`layers.Linear`)
         forced = "triton" if op != "linear" else "torch"
         assert f"kernel backend {forced} for OpRequest(op='{op}'" in chosen, op
     for phase in ("prefill", "decode"):
         assert f"attention backend triton for AttentionRequest(phase='{phase}'" in chosen, phase
-    reference = LLM(model, page_size=16, attention_backend="torch", kernel_backend="torch").generate(prompts, params)
+    reference = LLM(model, **engine, attention_backend="torch", kernel_backend="torch").generate(prompts, params)
     assert [o.token_ids for o in fast] == [o.token_ids for o in reference]

@@ -31,31 +31,34 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def lm_eval_tasks_indexed_once():
-    """Every TaskManager (one per `simple_evaluate` and per CLI run) parses lm-eval's ~14k task YAMLs, 10-25 s on
-    the CI's two cores. That folder does not change within a session, so its index is built once and reused; the
-    other folders (ours, a test's generated GPQA tasks) are indexed on every call as before, in the same order."""
+    """lm-eval's own task index built once a session (`task_index`); yields it ({resolve_includes: index}, filled
+    on first use), or None without lm-eval."""
     try:
-        import lm_eval.tasks
         from lm_eval.tasks._index import TaskIndex
+
+        from .task_index import reusing
     except ImportError:  # the tests that need lm-eval skip themselves
-        yield
+        yield None
         return
-    build = TaskIndex.build
-    own = Path(lm_eval.tasks.__file__).parent
-    cache = {}
-
-    def build_reusing_own(paths, *, resolve_includes=True):
-        paths = [Path(p) for p in paths]
-        if not paths or paths[0] != own:
-            return build(paths, resolve_includes=resolve_includes)
-        if resolve_includes not in cache:
-            cache[resolve_includes] = build([own], resolve_includes=resolve_includes)
-        # A later folder's entries replace the earlier ones of the same name, as in TaskIndex.build.
-        return {**cache[resolve_includes], **build(paths[1:], resolve_includes=resolve_includes)}
-
+    own_index = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TaskIndex, "build", staticmethod(build_reusing_own))
-        yield
+        patch.setattr(TaskIndex, "build", reusing(own_index))
+        yield own_index
+
+
+@pytest.fixture(scope="session")
+def task_index_file(lm_eval_tasks_indexed_once, tmp_path_factory) -> Path:
+    """lm-eval's own task index (the session's) pickled, for the ranks a test launches (`parallel_runs.py`)."""
+    import pickle
+
+    from lm_eval.tasks._index import TaskIndex
+
+    from .task_index import OWN
+
+    TaskIndex.build([OWN])  # fills the session's index if no test has yet
+    path = tmp_path_factory.mktemp("task_index") / "own.pickle"
+    path.write_bytes(pickle.dumps(lm_eval_tasks_indexed_once[True]))
+    return path
 
 
 def synthetic_rows(n=5):

@@ -131,12 +131,24 @@ def _one_rank_hangs(rank, world):
     try:
         for step in range(10):
             if rank == 1 and step == 3:
-                time.sleep(3 * TIMEOUT_S)  # hung, then gone
+                _hang_until_closed(ctx, peer=0, limit_s=3 * TIMEOUT_S)
                 return "woke up"
             comm.all_reduce(torch.ones(4))
         return "finished"
     finally:
         ctx.close()
+
+
+def _hang_until_closed(ctx, peer: int, limit_s: float) -> None:
+    """Stay alive outside any collective until `peer` has left (its error is then written), at most `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            if ctx.store.check([f"kimi_helix/closed/{peer}"]):
+                return
+        except Exception:  # the peer hosted the store and is gone
+            return
+        time.sleep(0.1)
 
 
 def test_hung_rank_is_named_by_its_collective_count():

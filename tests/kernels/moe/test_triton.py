@@ -78,15 +78,20 @@ def test_residual_joins_the_sum(T, dtype):
     assert_rel_close("reference", ref, exact, TOL[dtype])
 
 
-@pytest.mark.parametrize("block_n, block_k", [(1, 16), (4, 64), (8, 32)], ids=["one_col", "k_past_I", "ragged"])
-def test_combine_down_gemv_tiles(block_n, block_k):
+@pytest.mark.parametrize(
+    "d, block_k_gate_up, block_n, block_k",
+    [(20, 16, 1, 16), (44, 32, 4, 64), (44, 32, 8, 32)],
+    ids=["one_col", "k_past_I", "ragged"],
+)
+def test_combine_down_gemv_tiles(d, block_k_gate_up, block_n, block_k):
     # the decode combine is a GEMV: any column tile, K steps wider than I or ragged against it, d not a multiple
-    # of the tile, and a ragged shared slice
-    d, inter = 44, 40
+    # of the tile, and a ragged shared slice. One column a program runs d programs a row (slow in the interpreter),
+    # so that case takes a narrower d, still ragged against its gate/up K tile.
+    inter = 40
     gate_up, down = make_experts(6, d, inter, torch.float32, seed=80)
     shared = make_shared(d, 60, torch.float32, seed=81)
     x, weights, ids = make_tokens(2, d, 6, 3, torch.float32, seed=82)
-    config = MoeConfig(16, 16, 32, block_n, block_k, num_warps=2, num_stages=2, sort_pairs=False)
+    config = MoeConfig(16, 16, block_k_gate_up, block_n, block_k, num_warps=2, num_stages=2, sort_pairs=False)
     y = run_triton(x, gate_up, down, weights, ids, config=config, shared=shared)
     assert_rel_close("triton", y, truth(x, gate_up, down, weights, ids, shared), TOL[torch.float32])
 
@@ -119,9 +124,10 @@ def test_experts_without_tokens(sort_pairs, combine):
 @pytest.mark.parametrize("sort_pairs", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_all_tokens_to_one_expert(top_k, sort_pairs):
-    # 33 pairs on one expert span three 16-row blocks; with k == 1 every other expert, the last included, is empty
+    # sorted: 33 pairs on one expert span three 16-row blocks; unsorted (a program per pair, for decode's few
+    # tokens) 9 tokens. With k == 1 every other expert, the last included, is empty.
     gate_up, down = make_experts(E, D, I, torch.float16, seed=7)
-    x, weights, ids = make_tokens(33, D, E, top_k, torch.float16, seed=8)
+    x, weights, ids = make_tokens(33 if sort_pairs else 9, D, E, top_k, torch.float16, seed=8)
     ids[:, 0] = 0 if top_k == 1 else E - 1
     if top_k == 2:
         ids[:, 1] = ids[:, 1] % (E - 1)
