@@ -145,9 +145,9 @@ class StepGraphs:
         """Replay the graph for `step` (capturing it on first use); None when the step has no graph shape or its
         forward cannot be captured (see `capture`)."""
         key = self.key_for(step)
-        if key is None or key in self.uncapturable or self._hooked():
+        hooks = self._graph_safe_hooks() if key is not None and key not in self.uncapturable else None
+        if hooks is None:
             return None
-        hooks = self._graph_safe_hooks()
         if hooks != self._captured_hooks:  # graphs recorded without (or with other) copy hooks would skip them
             self.graphs.clear()
             self._captured_hooks = hooks
@@ -169,22 +169,21 @@ class StepGraphs:
         """The rows that fill `key`'s bucket: sequences on the scratch page and state slot."""
         return Padding(key.batch, key.tokens_per_seq, self.scratch_page, self.scratch_slot)
 
-    def _hooked(self) -> bool:
-        """Forward hooks on the model's layers must see every step, and a replay runs no Python: while any is
-        attached, steps run eagerly. Hooks marked `graph_safe` (DSpark's static-buffer feature capture) are the
-        exception: all they do is a device copy into a static buffer, which the graph records and replays."""
+    def _graph_safe_hooks(self) -> tuple[int, ...] | None:
+        """Identities of the forward hooks on the model and its layers when all are graph-safe (a graph replays the
+        ones attached when it was captured), else None: such a hook must see every step and a replay runs no
+        Python, so steps run eagerly while one is attached. Hooks marked `graph_safe` (DSpark's static-buffer
+        feature capture) only copy into a static buffer, which the graph records and replays."""
         model = self.runner.model.model
-        hooks = [*model._forward_hooks.values(), *(h for layer in model.layers for h in layer._forward_hooks.values())]
-        return any(not getattr(h, "graph_safe", False) for h in hooks)
-
-    def _graph_safe_hooks(self) -> tuple[int, ...]:
-        """Identities of the graph-safe hooks attached now: a graph replays the ones attached when it was captured."""
-        return tuple(
-            id(h)
-            for layer in self.runner.model.model.layers
-            for h in layer._forward_hooks.values()
-            if getattr(h, "graph_safe", False)
-        )
+        ids = []
+        for hook in (
+            *model._forward_hooks.values(),
+            *(h for layer in model.layers for h in layer._forward_hooks.values()),
+        ):
+            if not getattr(hook, "graph_safe", False):
+                return None
+            ids.append(id(hook))
+        return tuple(ids)
 
     # ---------------------------------------------------------------- capture
     def capture(self, key: GraphKey) -> _Captured | None:

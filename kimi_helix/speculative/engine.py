@@ -135,13 +135,10 @@ class SpeculativeDecoder:
         drafts = self._on_device
         if drafts is None:
             return
-        k, dst, src, start = drafts.tokens.shape[1], [], [], 0
-        for request, phase, tokens in zip(step.requests, step.phases, step.token_ids):
-            row = self._device_rows.get(request.request_id)
-            if row is not None and phase is Phase.VERIFY:
-                dst += range(start + 1, start + len(tokens))
-                src += range(row * k, row * k + len(tokens) - 1)
-            start += len(tokens)
+        k, dst, src = drafts.tokens.shape[1], [], []
+        for _, row, start, n in self._device_groups(step):
+            dst += range(start + 1, start + 1 + n)
+            src += range(row * k, row * k + n)
         if not dst:
             return
         if dst[-1] - dst[0] == len(dst) - 1 and src[-1] - src[0] == len(src) - 1:  # one run (batch 1): a slice
@@ -157,11 +154,19 @@ class SpeculativeDecoder:
         waits for the verify step queued after them)."""
         drafts, self._on_device = self._on_device, None
         rows = drafts.tokens.tolist()
-        for i, (request, tokens) in enumerate(zip(step.requests, step.token_ids)):
+        for i, row, _, n in self._device_groups(step):
+            step.token_ids[i][1:] = rows[row][:n]
+            step.requests[i].draft_token_ids = step.token_ids[i][1:]
+
+    def _device_groups(self, step):
+        """(index in the step, row of this round's device drafts, first packed token, drafts kept) of each verify
+        group whose drafts were left on the device."""
+        start = 0
+        for i, (request, phase, tokens) in enumerate(zip(step.requests, step.phases, step.token_ids)):
             row = self._device_rows.get(request.request_id)
-            if row is not None and step.phases[i] is Phase.VERIFY:
-                tokens[1:] = rows[row][: len(tokens) - 1]
-                request.draft_token_ids = tokens[1:]
+            if row is not None and phase is Phase.VERIFY:
+                yield i, row, start, len(tokens) - 1
+            start += len(tokens)
 
     def observe(self, step) -> None:
         """Hand the proposer the captured features of every token of `step` (call right after the runner)."""
@@ -213,8 +218,9 @@ class SpeculativeDecoder:
         best = rows.argmax(dim=-1).tolist()  # the same argmax as `sample`
         results, offset = [], 0
         for i in groups:
-            rows, offset = best[offset : offset + len(step.token_ids[i])], offset + len(step.token_ids[i])
-            results.append(accept_greedy(step.token_ids[i][1:], rows))
+            n = len(step.token_ids[i])
+            results.append(accept_greedy(step.token_ids[i][1:], best[offset : offset + n]))
+            offset += n
         return results
 
     def _agree(self, token_lists: list[list[int]]) -> list[list[int]]:
