@@ -17,13 +17,14 @@ from ..kernels.launch import cdiv
 from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
 from ..tokenizer import load_tokenizer
+from .arguments import check_arguments, check_async_scheduling, check_device, check_dtype, is_int
+from .async_scheduling import AsyncScheduling
 from .cache import PagedCache, PageLedger
 from .cuda_graph import StepGraphs
 from .runner import ModelRunner
 from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
 from .scheduler import Request, Scheduler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
@@ -107,6 +108,10 @@ class LLM:
     threads run one after another.
         enforce_eager: run every step eagerly; by default on CUDA uniform decode and verify steps replay CUDA
             graphs (`engine.cuda_graph`), which reserve one extra state slot and cache page for padding rows.
+        async_scheduling: launch each step before the previous one's tokens reach the host
+            (`engine.async_scheduling`); None (default) turns it on for one CUDA process without speculative
+            decoding. True also works on the CPU (no overlap there, the same tokens); it cannot be combined with
+            `speculative_config` or tp * cp > 1.
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class LLM:
         proposer=None,
         device_map: str | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
     ):
         backends = BackendChoice.from_env(attention=attention_backend, kernels=kernel_backend)
         if model is None:
@@ -139,7 +145,7 @@ class LLM:
 
             model = demo_model_dir()
         parallel = tensor_parallel_size * context_parallel_size > 1
-        _check_arguments(
+        check_arguments(
             model,
             device,
             device_map,
@@ -153,7 +159,8 @@ class LLM:
             max_model_len=max_model_len,
             num_pages=num_pages,
         )
-        dtype = _check_dtype(dtype)
+        check_async_scheduling(async_scheduling, speculative_config is not None or proposer is not None, parallel)
+        dtype = check_dtype(dtype)
         spec = None
         if speculative_config is not None or proposer is not None:
             from ..speculative.engine import check_speculative_config
@@ -163,7 +170,7 @@ class LLM:
                 model,
                 proposer,
                 dtype,
-                _check_device(device),
+                check_device(device),
                 kv_cache_dtype,
                 backends.attention,
                 tp=tensor_parallel_size,
@@ -187,6 +194,9 @@ class LLM:
             from ..speculative.engine import build_speculative_decoder
 
             self.speculative = build_speculative_decoder(spec, self, proposer)
+        if async_scheduling is None:
+            async_scheduling = self.device.type == "cuda" and self.comm is None and self.speculative is None
+        self.async_scheduling = AsyncScheduling(self) if async_scheduling else None
         self._lock = threading.Lock()
 
     def _place_model(self, model, dtype, device, device_map, parallel_sizes: tuple[int, int], timeout_s: float):
@@ -198,7 +208,7 @@ class LLM:
 
             model, self.comm = parallel_model(model, *parallel_sizes, dtype=dtype, device=device, timeout_s=timeout_s)
             device = device or next(model.parameters()).device
-        self.model, self.device = _load_model(model, dtype, _check_device(device), device_map)
+        self.model, self.device = _load_model(model, dtype, check_device(device), device_map)
 
     def _check_max_model_len(self, max_model_len: int | None) -> int:
         """The request length cap: `max_model_len` (at most the config's `model_max_length`), or by default that
@@ -291,6 +301,8 @@ class LLM:
                 with tqdm(total=len(requests), desc="generate", unit="req", disable=not show) as bar:
                     while self.scheduler.has_work:
                         bar.update(self.step())
+                    if self.async_scheduling is not None:  # a step launched for requests that have since stopped
+                        self.async_scheduling.drain()
             except BaseException:
                 self._abort(requests)
                 raise
@@ -299,7 +311,22 @@ class LLM:
             return [self._output(r) for r in requests]
 
     def step(self) -> int:
-        """One step: schedule -> runner -> sample -> append. Returns how many requests finished."""
+        """One step: schedule -> runner -> sample -> append. Returns how many requests finished.
+
+        With asynchronous scheduling the step is launched before the previous step's tokens are read, and this
+        call appends the previous step's tokens (`engine.async_scheduling`); a step that must read its logits
+        on the host first completes the step in flight."""
+        if self.async_scheduling is not None:
+            if self.async_scheduling.can_overlap():
+                return self.async_scheduling.step()
+            finished = self.async_scheduling.drain()
+            if not self.scheduler.has_work:
+                return finished
+            return finished + self._step_sync()
+        return self._step_sync()
+
+    def _step_sync(self) -> int:
+        """A step that reads its sampled tokens before returning."""
         start = time.perf_counter()
         if self.comm is not None:
             self.comm.reset_counters()
@@ -340,6 +367,11 @@ class LLM:
                 new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows], verified.get(i))
                 generated += new
                 finished += done
+        self._record_step(start, step, generated, len(verified))
+        return finished
+
+    def _record_step(self, start: float, step, generated: int, verify_groups: int = 0) -> None:
+        """Append the `StepMetrics` of a step that began at `start` (perf_counter) and produced `generated` tokens."""
         self.metrics.append(
             StepMetrics(
                 step=len(self.metrics),
@@ -350,10 +382,9 @@ class LLM:
                 waiting=len(self.scheduler.waiting),
                 pages_in_use=self.scheduler.ledger.pages_in_use,
                 bytes_sent=sum(self.comm.bytes_sent.values()) if self.comm is not None else 0,
-                verify_groups=len(verified),
+                verify_groups=verify_groups,
             )
         )
-        return finished
 
     def _sample_rows(self, request: Request, phase: Phase, rows: slice) -> range:
         """Rows of `logits` to sample for `request`: all of a verify group (none when the speculative decoder
@@ -429,7 +460,7 @@ class LLM:
             ids, text = list(prompt), None
         else:
             raise ValueError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        bad = [t for t in ids if not _is_int(t)]
+        bad = [t for t in ids if not is_int(t)]
         if bad:  # a float id is a bug upstream; truncating it would silently run another prompt
             raise ValueError(f"prompt token ids must be ints, got {bad[:4]!r} in {ids[:16]!r}")
         ids = [int(t) for t in ids]
@@ -442,23 +473,30 @@ class LLM:
 
     def _append(self, request: Request, token: int) -> bool:
         request.output_ids.append(token)
+        return self._finish_if_done(request, len(request.output_ids))
+
+    def _finish_if_done(self, request: Request, upto: int) -> bool:
+        """Finish `request` if its first `upto` output tokens end it (EOS, a stop token or string, max_tokens);
+        the tokens after them, placeholders of steps in flight, are dropped then. Returns whether it finished."""
+        output, token = request.output_ids[:upto], request.output_ids[upto - 1]
         params, eos = request.params, self.model.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
             reason = "stop"
-        elif len(request.output_ids) >= params.max_tokens:
+        elif upto >= params.max_tokens:
             reason = "length"
         text = None
         if params.stop:  # `_make_request` made sure there is a tokenizer
-            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(output, skip_special_tokens=True)
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:  # the text before the earliest stop string, '' when it matches at the very start
                 text, reason = text[: min(hits)], "stop"
         if reason is None:
             return False
+        del request.output_ids[upto:]
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(output, skip_special_tokens=True)
         request.text = text or ""
         # Zero the state slot on release: the next sequence in it must start from an empty state.
         self.cache.reset_state(self.cache.ledger.seqs[request.request_id].slot)
@@ -469,6 +507,8 @@ class LLM:
 
     def _abort(self, requests: list[Request]) -> None:
         """Drop the unfinished `requests` from the scheduler, zeroing and freeing their state slots and pages."""
+        if self.async_scheduling is not None:
+            self.async_scheduling.discard()
         for request in requests:
             if request.finish_reason is not None:
                 continue
@@ -485,29 +525,6 @@ class LLM:
         )
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_arguments(model, device, device_map, parallel: bool, gpu_memory_utilization, **sizes) -> None:
-    """Raise ValueError naming the first bad `LLM` argument: `sizes` must be positive ints (or None)."""
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    for name, value in sizes.items():
-        if value is not None and (not _is_int(value) or value <= 0):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if device_map is None:
-        return
-    if device_map != "auto":
-        raise ValueError(f"device_map must be None or 'auto', got {device_map!r}")
-    if device is not None:
-        raise ValueError(f"pass device_map='auto' or device={device!r}, not both")
-    if not isinstance(model, (str, Path)):
-        raise ValueError("device_map='auto' places a checkpoint folder's layers; a loaded model is already placed")
-    if parallel:
-        raise ValueError("device_map='auto' cannot be combined with tensor_parallel_size * context_parallel_size > 1")
-
-
 def _load_model(model, dtype, device: torch.device, device_map):
     """(the model in eval mode, the device its embeddings are on): a checkpoint folder loaded onto `device` (or
     placed by `device_map`), or a loaded model moved there."""
@@ -518,32 +535,6 @@ def _load_model(model, dtype, device: torch.device, device_map):
         return KimiK3ForCausalLM.from_pretrained(Path(model), dtype=dtype, device=device).eval(), device
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval(), device
-
-
-def _check_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(
-        f"dtype must be None (the model's) or one of {', '.join(DTYPES)} (a torch.dtype or its name), got {dtype!r}"
-    )
-
-
-def _check_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device must be None, a str such as 'cpu' or 'cuda:0', or a torch.device, got {device!r}")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, ValueError) as err:
-        raise ValueError(f"device {device!r} is not a device (try 'cpu', 'cuda', 'cuda:1')") from err
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be on cpu or cuda, got {str(device)!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: CUDA is not available here")
-    return device
 
 
 def _folder_tokenizer(folder: str | Path | None):

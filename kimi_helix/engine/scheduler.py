@@ -5,7 +5,8 @@ Each step declares, for every running request, its phase and its new tokens, wit
 
 1. Every running request gets one token first: a decode its token, a verify group its last sampled token, a
    prefilling request the first token of its chunk. At most min(max_num_seqs, B) requests run, so this always fits
-   and no running request ever gets zero tokens in a step.
+   and no running request ever gets zero tokens in a step - except one whose last token by `max_tokens` is still
+   on the device (asynchronous scheduling, `engine.async_scheduling`): it has nothing left to compute.
 2. The rest of B goes to verify drafts (decoding requests with `draft_token_ids`), in running order: a group of
    1 + k tokens, k cut to what the budget and the request's remaining `max_tokens` allow.
 3. What is left goes to prefill chunks in arrival order, each taking as much of its remaining prompt as fits
@@ -118,9 +119,11 @@ class Scheduler:
             request = self.waiting.popleft()
             self.ledger.admit(request.request_id, request.reserve_tokens)
             self.running.append(request)
-        decoding = [r for r in self.running if not r.prefilling]
+        # A request whose pending token is its last by max_tokens (a step in flight sampled it, under asynchronous
+        # scheduling) has nothing left to compute: it finishes when that token is read.
+        decoding = [r for r in self.running if not r.prefilling and len(r.output_ids) < r.params.max_tokens]
         prefilling = [r for r in self.running if r.prefilling]
-        budget = self.max_num_batched_tokens - len(self.running)  # one token each is already granted
+        budget = self.max_num_batched_tokens - len(decoding) - len(prefilling)  # one token each is granted
         step = ScheduledStep([], [], [])
         for r in decoding:
             # The cache holds at most reserve_tokens: drafts past the last token max_tokens allows are never used.
