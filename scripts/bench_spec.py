@@ -14,16 +14,17 @@ decoding then meets exactly the step shapes it met in the warm-up, so every CUDA
 groups of each length, draft rounds of each k) is captured before the clock starts.
 
 Per case: tokens/s (generated tokens over the wall clock of the timed `generate` calls), the speedup over plain
-decoding at the same batch size and tokens per engine step (the batch size for plain decoding); for speculative
-cases tau (tokens per verify round, the bonus token included; None when no step had drafts) and acceptance by
-position, from `LLM.speculative.metrics`; and `identical`, how many prompts' outputs equal plain
-decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager` is the same engine with
-`enforce_eager`. `ms_per_round` is the mean wall time of a decoding round (an engine step that verified drafts;
-for plain decoding a decode step), on the graph path on the GPU: target verify steps and greedy drafting rounds
-replay CUDA graphs. Rows (with gpu, date and commit) are appended to
+decoding at the same batch size, `decode_tokens_per_s` (the tokens after each prompt's first, over the wall clock
+less `first_token_s`, the same calls timed again with one new token each: the decoding phase alone, without the
+prefill that every method pays alike; `decode_speedup` is its ratio to plain's) and tokens per engine step (the
+batch size for plain decoding); for speculative cases tau (tokens per verify round, the bonus token included; None
+when no step had drafts) and acceptance by position, from `LLM.speculative.metrics`; and `identical`, how many
+prompts' outputs equal plain decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager`
+is the same engine with `enforce_eager`. `ms_per_round` is the mean wall time of a decoding round (an engine step
+that verified drafts; for plain decoding a decode step), on the graph path on the GPU: target verify steps and
+greedy drafting rounds replay CUDA graphs. Rows (with gpu, date and commit) are appended to
 benchmarks/results/spec.jsonl (or --out); a table ends the run. A case that fails is written as a row with its
-`error` and the run goes on; the exit status is then 1.
-"""
+`error` and the run goes on; the exit status is then 1."""
 
 from __future__ import annotations
 
@@ -166,8 +167,11 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
         outputs += [list(o.token_ids) for o in outs]
     tokens = sum(len(o) for o in outputs)
     steps = llm.metrics[first_step:]
+    first_token_s = time_first_tokens(llm, prompts, batch, sync)
     row = dict(method=method, k=k if spec else 0, batch_size=batch, tokens=tokens, seconds=round(seconds, 4),
                tokens_per_s=round(tokens / seconds, 1), steps=len(steps), tokens_per_step=round(tokens / len(steps), 3),
+               first_token_s=round(first_token_s, 4),
+               decode_tokens_per_s=round((tokens - len(prompts)) / max(seconds - first_token_s, 1e-9), 1),
                ms_per_step=round(1e3 * sum(s.seconds for s in steps) / len(steps), 3),
                ms_per_round=ms_per_round(steps, speculative=spec is not None))  # fmt: skip
     if llm.speculative is not None:
@@ -179,6 +183,21 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row, outputs
+
+
+def time_first_tokens(llm: LLM, prompts, batch: int, sync) -> float:
+    """Wall seconds of the same `generate` calls cut to one new token each: the prefill and first token that
+    every method pays alike, which `decode_tokens_per_s` leaves out (warmed up: the prefill shapes are the timed
+    pass's)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    seconds = 0.0
+    for i in range(0, len(prompts), batch):
+        sync()
+        t0 = time.perf_counter()
+        llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+        sync()
+        seconds += time.perf_counter() - t0
+    return seconds
 
 
 def ms_per_round(steps, speculative: bool) -> float | None:
@@ -205,8 +224,8 @@ def cases(args, drafter) -> list[tuple[str, int]]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'tok/step':>9}{'ms/round':>9}{'tau':>7}"
-            f"{'same':>7}  acceptance by position")  # fmt: skip
+    head = (f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'decode':>10}{'speedup':>9}"
+            f"{'tok/step':>9}{'ms/round':>9}{'tau':>7}{'same':>7}  acceptance by position")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in sorted(rows, key=lambda r: (r["batch_size"], METHODS.index(r["method"]), r["k"])):
@@ -216,10 +235,11 @@ def print_table(rows: list[dict]) -> None:
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         accept = " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", []))
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
+        decode_speed = f"{r['decode_speedup']:.2f}x" if r.get("decode_speedup") is not None else "-"
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['num_prompts']}"
         per_round = "-" if r.get("ms_per_round") is None else f"{r['ms_per_round']:.2f}"
         print(f"{r['method']:<12}{r['k']:>3}{r['batch_size']:>7}{r['tokens_per_s']:>10.1f}{speed:>9}"
-              f"{r['tokens_per_step']:>9.2f}{per_round:>9}{tau:>7}"
+              f"{r['decode_tokens_per_s']:>10.1f}{decode_speed:>9}{r['tokens_per_step']:>9.2f}{per_round:>9}{tau:>7}"
               f"{same:>7}  {accept}")  # fmt: skip
 
 
@@ -273,6 +293,8 @@ def measured_row(model_dir: Path, prompts, method: str, k: int, batch: int, draf
         plain[batch] = (row, outputs)
     base = plain.get(batch)
     row["speedup"] = None if base is None else round(row["tokens_per_s"] / base[0]["tokens_per_s"], 3)
+    plain_decode = None if base is None else base[0]["decode_tokens_per_s"]
+    row["decode_speedup"] = None if base is None else round(row["decode_tokens_per_s"] / plain_decode, 3)
     row["identical"] = None if base is None else sum(a == b for a, b in zip(outputs, base[1]))
     return row
 

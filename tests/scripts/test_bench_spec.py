@@ -38,7 +38,8 @@ def test_smoke_run_writes_one_row_per_case_and_matches_plain(bench, tmp_path, ca
         assert {"gpu", "date", "commit"} <= r.keys() and r["bench"] == "spec" and r["greedy"]
         assert r["tokens"] == r["num_prompts"] * r["max_tokens"] and r["tokens_per_s"] > 0
         assert r["identical"] == r["num_prompts"]  # speculative greedy output == plain greedy output
-    assert rows[0]["speedup"] == 1.0 and "tau" not in rows[0]
+        assert 0 < r["first_token_s"] < r["seconds"] and r["decode_tokens_per_s"] > 0
+    assert rows[0]["speedup"] == 1.0 and rows[0]["decode_speedup"] == 1.0 and "tau" not in rows[0]
     assert rows[0]["tokens_per_step"] == 2.0  # plain: a token per sequence a step (the prefill samples the first)
     for r in rows[1:]:
         assert r["rounds"] == 0 or 1 <= r["tau"] <= 3 and len(r["acceptance_by_position"]) <= 2
