@@ -258,7 +258,7 @@ def mla_decode_fwd_kernel(
         return
 
     # Rows are (query token, head) pairs, each with its own number of visible keys. From here to the split range:
-    # twin of kernels/mla/decode_wgmma.py:mla_decode_wgmma_kernel (same contract) — a fix here belongs there too.
+    # twin of kernels/mla/decode_wgmma.py:split_range (same contract) — a fix here belongs there too.
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
