@@ -142,12 +142,15 @@ def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, acc_layout: gl
     """Issue S^T = pe qpe^T + c q^T for tile t ([BLOCK_N, rows] fp32, two MMA groups, not waited for) once the
     tile's fp16 buffer is filled."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
     stage = t % NUM_STAGES
+    # q's buffers through an index the compiler cannot prove constant (0, as t < 2^30): else it hoists all of q's
+    # MMA descriptors (one a K step, 64-bit) out of the tile loop and spills them.
+    zero = t // 1073741824
     mbarrier.wait(kv_ready.index(stage), (t // NUM_STAGES) & 1)
     s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
-    s = warpgroup_mma(pe_smem.index(stage), qpe_smem.permute((1, 0)), s, use_acc=False, is_async=True)
-    return warpgroup_mma(c_smem.index(stage), q_smem.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(pe_smem.index(stage), qpe_smem.index(zero).permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(c_smem.index(stage), q_smem.index(zero).permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -178,7 +181,7 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready,
                    NUM_STAGES: gl.constexpr):  # fmt: skip
     """Scores, softmax and O^T for every tile of the split; writes out and lse."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
     DC: gl.constexpr = c_smem.shape[2]
     rows_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     keys_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -303,12 +306,13 @@ def mla_decode_fp8_wgmma_kernel(
         cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split,
         rows_layout, BLOCK_H, BLOCK_M, BLOCK_N, USE_KV_BOUNDS, SPLIT)  # fmt: skip
 
-    q_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, DC],
+    # One buffer each, indexed (see `_scores_async`).
+    q_smem = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, DC],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, DC], gl.float16))  # fmt: skip
-    qpe_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, DR],
+    qpe_smem = gl.allocate_shared_memory(gl.float16, [1, BLOCK_M, DR],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, DR], gl.float16))  # fmt: skip
-    row_scale = qk_scale * _scaled_q(q_ptr, tok0, q_hi, head_block, num_heads, stride_qt, stride_qh, q_smem, qpe_smem,
-                                     BLOCK_H, BLOCK_M, rows_layout)  # fmt: skip
+    row_scale = qk_scale * _scaled_q(q_ptr, tok0, q_hi, head_block, num_heads, stride_qt, stride_qh, q_smem.index(0),
+                                     qpe_smem.index(0), BLOCK_H, BLOCK_M, rows_layout)  # fmt: skip
 
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DC], gl.float16)
     pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.float16)
