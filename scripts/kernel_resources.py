@@ -175,7 +175,7 @@ def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64, longest_f
 
 
 def mla_fp8_wgmma_case(rows: int, block_h: int | None = None, page_size: int = 64, split: bool = True,
-                       longest_first: bool = False, stages: int = 2, regs: int | None = None) -> tuple:
+                       longest_first: bool = False, stages: int = 2, regs: int | None = None) -> tuple:  # fmt: skip
     """The fp8-cache Gluon MLA decode kernel (`decode_fp8_wgmma`: e4m3 latents, bf16 q, kv_lora_rank 512, rope 64)
     at `rows` tile rows (block_h heads a tile, default all of them) and `stages` fp16 buffers, as a case of `main`'s
     table: split KV (fp32 partials) or one split (bf16 out), sequences in order or longest first."""

@@ -76,7 +76,8 @@ def _tile_rows(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo, hi, stride_kvp, stride_
     n = tile_lo + gl.arange(0, BLOCK_N, layout=key_layout)
     n_ok = n < hi
     page = gl.load(pages_ptr + n // PAGE_SIZE, mask=n_ok, other=0).to(gl.int64)
-    return kv_ptr + page * stride_kvp + (n % PAGE_SIZE) * stride_kvs, kv_scale_ptr + page * PAGE_SIZE + n % PAGE_SIZE, n_ok
+    slot = n % PAGE_SIZE
+    return kv_ptr + page * stride_kvp + slot * stride_kvs, kv_scale_ptr + page * PAGE_SIZE + slot, n_ok
 
 
 @gluon.jit
@@ -319,8 +320,8 @@ def mla_decode_fp8_wgmma_kernel(
     c_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_N, DC], c_layout)
     pe_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_N, DR], pe_layout)
     ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_M],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16))  # fmt: skip
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16)
+    p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_M], p_layout)
     # Per buffer: filled, and free again.
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
