@@ -36,6 +36,19 @@ from kimi_helix.kernels.mla.decode_wgmma import _cta_barrier, program_slot, spli
 
 __all__ = ["BLOCK_N", "fp8_wgmma_smem", "mla_decode_fp8_wgmma_kernel"]
 
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # the name after Triton 3.6 (the GPU image's)
+
+    @gluon.jit
+    def _int32_view(smem, shape: gl.constexpr, layout: gl.constexpr):
+        return smem.reinterpret(gl.int32, shape, layout)
+
+else:
+
+    @gluon.jit
+    def _int32_view(smem, shape: gl.constexpr, layout: gl.constexpr):
+        return smem._reinterpret(gl.int32, shape, layout)
+
+
 # Keys a tile: the M of one warpgroup MMA (the swapped scores' rows).
 BLOCK_N = 64
 
@@ -63,9 +76,7 @@ def _store_fp16(words, smem):
     R: gl.constexpr = words.shape[0]
     W: gl.constexpr = words.shape[1]
     halves = gl.reshape(gl.join(lo, hi), [R, 2 * W])
-    smem._reinterpret(gl.int32, [R, 2 * W], gl.NVMMASharedLayout(smem.layout.swizzle_byte_width, 32, rank=2)).store(
-        halves
-    )
+    _int32_view(smem, [R, 2 * W], gl.NVMMASharedLayout(smem.layout.swizzle_byte_width, 32, rank=2)).store(halves)
 
 
 @gluon.jit
