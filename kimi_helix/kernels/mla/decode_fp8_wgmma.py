@@ -264,39 +264,13 @@ def _scaled_q(q_ptr, tok0, q_hi, head_block, num_heads, stride_qt, stride_qh, q_
 
 
 @gluon.jit
-def mla_decode_fp8_wgmma_kernel(
-    q_ptr,
-    kv_ptr,
-    kv_scale_ptr,
-    block_table_ptr,
-    cache_seqlens_ptr,
-    cu_seqlens_q_ptr,
-    kv_bounds_ptr,
-    out_ptr,
-    lse_ptr,
-    qk_scale,
-    num_seqs,
-    num_heads,
-    num_head_blocks,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_kvp,
-    stride_kvs,
-    stride_bt,
-    PAGE_SIZE: gl.constexpr,
-    DC: gl.constexpr,
-    DR: gl.constexpr,
-    BLOCK_H: gl.constexpr,
-    BLOCK_Q: gl.constexpr,
-    SEQS_POW2: gl.constexpr,
-    USE_KV_BOUNDS: gl.constexpr,
-    SPLIT: gl.constexpr,
-    LONGEST_FIRST: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    DEQUANT_REGS: gl.constexpr,
-):
+def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, cache_seqlens_ptr, cu_seqlens_q_ptr,
+                                kv_bounds_ptr, out_ptr, lse_ptr, qk_scale, num_seqs, num_heads, num_head_blocks,
+                                num_splits, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt,
+                                PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
+                                BLOCK_Q: gl.constexpr, SEQS_POW2: gl.constexpr, USE_KV_BOUNDS: gl.constexpr,
+                                SPLIT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
+                                NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr):  # fmt: skip
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     gl.static_assert(gl.num_warps() == 4, "the parent and the MMA partition are one warpgroup")
     gl.static_assert((BLOCK_M == 16) | (BLOCK_M == 32), "16 or 32 rows: the N of the swapped MMAs")
@@ -306,13 +280,10 @@ def mla_decode_fp8_wgmma_kernel(
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     rows_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
-    head_block, split, seq, tok0 = program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, num_head_blocks,
-                                                num_splits, BLOCK_Q, SEQS_POW2, LONGEST_FIRST)  # fmt: skip
-    if seq < 0:
-        return
-    q_lo = gl.load(cu_seqlens_q_ptr + seq)
-    q_hi = gl.load(cu_seqlens_q_ptr + seq + 1)
-    if tok0 >= q_hi:
+    head_block, split, seq, tok0, q_lo, q_hi = program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs,
+                                                            num_head_blocks, num_splits, BLOCK_Q, SEQS_POW2,
+                                                            LONGEST_FIRST)  # fmt: skip
+    if (seq < 0) | (tok0 >= q_hi):
         return
     row_ok, bound, bound_min, lo, hi, num_tiles, out_row = split_range(
         cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split,

@@ -275,8 +275,9 @@ def _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q:
 @gluon.jit
 def program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, num_head_blocks, num_splits, BLOCK_Q: gl.constexpr,
                  SEQS_POW2: gl.constexpr, LONGEST_FIRST: gl.constexpr):  # fmt: skip
-    """(head block, split, sequence, first query token) of this program: head blocks, then splits, vary fastest;
-    sequence -1 past the last slot."""
+    """(head block, split, sequence, first query token, the sequence's query range [q_lo, q_hi)) of this program:
+    head blocks, then splits, vary fastest; sequence -1 (and an empty range) past the last slot. A program whose
+    sequence is -1 or whose first token is past q_hi is idle."""
     pid = gl.program_id(0)
     head_block = pid % num_head_blocks
     split = (pid // num_head_blocks) % num_splits
@@ -285,7 +286,9 @@ def program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, num_head_blocks,
         seq, tok0 = _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q, SEQS_POW2)
     else:
         seq, tok0 = _in_order(cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q, SEQS_POW2)
-    return head_block, split, seq, tok0
+    q_lo = gl.load(cu_seqlens_q_ptr + seq, mask=seq >= 0, other=0)
+    q_hi = gl.load(cu_seqlens_q_ptr + seq + 1, mask=seq >= 0, other=0)
+    return head_block, split, seq, tok0, q_lo, q_hi
 
 
 @gluon.jit
@@ -360,13 +363,10 @@ def mla_decode_wgmma_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    head_block, split, seq, tok0 = program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, num_head_blocks,
-                                                num_splits, BLOCK_Q, SEQS_POW2, LONGEST_FIRST)  # fmt: skip
-    if seq < 0:
-        return
-    q_lo = gl.load(cu_seqlens_q_ptr + seq)
-    q_hi = gl.load(cu_seqlens_q_ptr + seq + 1)
-    if tok0 >= q_hi:
+    head_block, split, seq, tok0, q_lo, q_hi = program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs,
+                                                            num_head_blocks, num_splits, BLOCK_Q, SEQS_POW2,
+                                                            LONGEST_FIRST)  # fmt: skip
+    if (seq < 0) | (tok0 >= q_hi):
         return
     row_ok, bound, bound_min, lo, hi, num_tiles, out_row = split_range(
         cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split, row_layout,
