@@ -30,6 +30,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before Trito
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, also when this file is loaded by path
 from bench_common import JsonlWriter, bench_ms, copy_tbps, matmul_tflops, precompile, run_metadata  # noqa: E402
 
+from kimi_helix.kernels.mla import decode_schedule  # noqa: E402
 from kimi_helix.kernels.mla.decode import mla_decode_triton  # noqa: E402
 from kimi_helix.kernels.mla.naive import mla_decode_ref  # noqa: E402
 
@@ -50,6 +51,8 @@ TARGETS = [
 # The torch reference loops over sequences in Python: it runs on the grid's cases of up to REF_MAX_B sequences.
 REF_MAX_B = 32
 SMOKE = dict(b=[2], h=[1, 16], s_q=[1, 2], s_k=[40], kv=["fp16", "fp8"])
+# The fp8 schedules a run may time (--fp8-schedules), by name.
+FP8_SCHEDULES = {"committed": dict(decode_schedule.SCHEDULES), "triton": decode_schedule.TRITON_FP8_SCHEDULES}
 
 
 class Cache:
@@ -127,6 +130,9 @@ def main(argv=None) -> list[dict]:
                     help="what to time (the torch reference only on cases of up to REF_MAX_B sequences)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=1, help="processes that compile the Triton cases before timing")
     ap.add_argument("--splits", nargs="+", type=int, default=[], help="also time the Triton kernel at these KV splits")
+    ap.add_argument("--fp8-schedules", nargs="+", choices=FP8_SCHEDULES, default=["committed"],
+                    help="fp8 cases under these schedules: the committed ones (the Gluon kernel where they say so) "
+                         "and/or TRITON_FP8_SCHEDULES (the Triton kernel alone)")  # fmt: skip
     for key in GRID:
         ap.add_argument(f"--{key.replace('_', '-')}", nargs="+", type=str if key == "kv" else int, help="override")
     args = ap.parse_args(argv)
@@ -138,13 +144,16 @@ def main(argv=None) -> list[dict]:
     cases = list(itertools.product(grid["b"], grid["h"], grid["s_q"], grid["s_k"], grid["kv"]))
     if args.quick:
         cases += [c for c in TARGETS if c not in cases]
-    # (case, backend, forced KV splits or None)
-    runs = [(c, "triton", n) for c in cases for n in [None, *args.splits]] if "triton" in args.backends else []
+    # (case, backend, forced KV splits or None, fp8 schedules); 16-bit cases run once, under "committed"
+    fp8_modes = lambda c: args.fp8_schedules if c[4] == "fp8" else ["committed"]  # noqa: E731
+    triton_runs = [(c, "triton", n, m) for c in cases for n in [None, *args.splits] for m in fp8_modes(c)]
+    runs = triton_runs if "triton" in args.backends else []
     if not args.quick and "torch" in args.backends:
         ref_cases = cases[:2] if args.smoke else [c for c in cases if c[0] <= REF_MAX_B]
-        runs += [(c, "torch", None) for c in ref_cases]
+        runs += [(c, "torch", None, "committed") for c in ref_cases]
 
-    errors = precompile(_compile, [c for c, backend, n in runs if backend == "triton" and n is None], args.jobs, device)
+    errors = precompile(_compile, sorted({c for c, backend, n, _ in runs if backend == "triton" and n is None}),
+                        args.jobs, device)  # fmt: skip
     if any(errors):
         print("compile errors:", [e for e in errors if e], file=sys.stderr)
     copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
@@ -154,11 +163,12 @@ def main(argv=None) -> list[dict]:
     # Appended case by case: a killed run keeps what it measured.
     with JsonlWriter(Path(args.out) / "mla_decode.jsonl", echo=sys.stderr) as results:
         # Grouped by cache shape so each large cache is built once; small batches first.
-        for (b, h, s_q, s_k, kv), backend, splits in sorted(
-            runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1], r[2] or 0)
+        for (b, h, s_q, s_k, kv), backend, splits, fp8_mode in sorted(
+            runs, key=lambda r: (r[0][0], r[0][3], r[0][4], r[1], r[2] or 0, r[3])
         ):
             rec = dict(base, b=b, h=h, s_q=s_q, s_k=s_k, kv_dtype=kv, backend=backend, splits=splits, ms=None,
-                       tbps=None, tflops=None, graph_ms=None)  # fmt: skip
+                       tbps=None, tflops=None, graph_ms=None, fp8_schedules=fp8_mode)  # fmt: skip
+            decode_schedule.SCHEDULES.update(FP8_SCHEDULES[fp8_mode])
             try:
                 if cache_key != (b, s_k, kv):
                     cache, cache_key = None, None  # free the previous one first
@@ -174,10 +184,12 @@ def main(argv=None) -> list[dict]:
 
     records = results.records
     print(f"\n{base['gpu']}: copy {copy:.2f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s\n")
+    decode_schedule.SCHEDULES.update(FP8_SCHEDULES["committed"])
     print("| backend | splits | b | H | s_q | s_k | kv | ms | TB/s | TFLOP/s | graph ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
-        shape = f"{r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {r['kv_dtype']}"
+        kv = r["kv_dtype"] + (f" ({r['fp8_schedules']})" if r["kv_dtype"] == "fp8" else "")
+        shape = f"{r['b']} | {r['h']} | {r['s_q']} | {r['s_k']} | {kv}"
         head = f"| {r['backend']} | {r['splits'] or 'auto'} | {shape} |"
         if r["error"]:
             print(f"{head} error: {r['error'][:60]} | | | |")

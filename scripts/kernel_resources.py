@@ -150,6 +150,9 @@ def mla_cases() -> list[tuple]:
     sched = decode.SCHEDULES[(2, 64)]
     if sched.wgmma and decode.decode_wgmma is not None:
         cases.append(mla_wgmma_case(sched.block_n, sched.num_stages))
+    for rows in (16, 32):
+        if decode.SCHEDULES[(1, rows)].wgmma and decode.decode_fp8_wgmma is not None:
+            cases.append(mla_fp8_wgmma_case(rows))
     return cases
 
 
@@ -169,6 +172,25 @@ def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64, longest_f
     name = f"mla decode bf16 KV, 64 rows x {block_n} keys, {num_stages} buffers, {order}, Gluon wgmma (warp-spec.)"
     overrides = dict(kv_c_desc=desc(256), kv_pe_desc=desc(64))
     return name, decode.decode_wgmma.mla_decode_wgmma_kernel, c, 4, num_stages, overrides, None
+
+
+def mla_fp8_wgmma_case(rows: int, block_h: int | None = None, page_size: int = 64, split: bool = True,
+                       longest_first: bool = False, stages: int = 2, regs: int | None = None) -> tuple:  # fmt: skip
+    """The fp8-cache Gluon MLA decode kernel (`decode_fp8_wgmma`: e4m3 latents, bf16 q, kv_lora_rank 512, rope 64)
+    at `rows` tile rows (block_h heads a tile, default all of them) and `stages` fp16 buffers, as a case of `main`'s
+    table: split KV (fp32 partials) or one split (bf16 out), sequences in order or longest first."""
+    from kimi_helix.kernels.mla import decode_fp8_wgmma as k
+
+    block_h = block_h or rows
+    regs = regs or decode.FP8_WGMMA_DEQUANT_REGS
+    c = dict(PAGE_SIZE=page_size, DC=512, DR=64, BLOCK_H=block_h, BLOCK_Q=rows // block_h, SEQS_POW2=256,
+             USE_KV_BOUNDS=False, SPLIT=split, LONGEST_FIRST=longest_first, BLOCK_N=k.BLOCK_N, NUM_STAGES=stages,
+             DEQUANT_REGS=regs)  # fmt: skip
+    order = ("split KV" if split else "one split") + (", longest first" if longest_first else "")
+    name = f"mla decode fp8 KV, {rows} rows ({block_h} heads) x {k.BLOCK_N} keys, {stages} buffers, {order}, Gluon "
+    name += f"wgmma swap-AB (dequant warpgroup {regs} regs)"
+    overrides = {"kv_ptr": "*fp8e4nv", "out_ptr": "*fp32" if split else "*bf16"}
+    return name, k.mla_decode_fp8_wgmma_kernel, c, 4, stages, overrides, None
 
 
 def main(argv=None) -> list[dict]:

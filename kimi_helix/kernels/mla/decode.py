@@ -33,19 +33,20 @@ from kimi_helix.kernels.mla.decode_schedule import (
     D_SPLITS,
     MIN_WAVES,
     SCHEDULES,
+    TRITON_FP8_SCHEDULES,
     Schedule,
     choose_num_kv_splits,
     choose_tiles,
 )
 
 try:  # Gluon (Triton's explicit-layout dialect) and its Hopper ops; older or newer Tritons may lack them
-    from kimi_helix.kernels.mla import decode_wgmma
+    from kimi_helix.kernels.mla import decode_fp8_wgmma, decode_wgmma
 except ImportError:
-    decode_wgmma = None
+    decode_wgmma = decode_fp8_wgmma = None
 
 __all__ = [
-    "CAPS", "D_SPLITS", "MIN_WAVES", "SCHEDULES", "TMA_MIN_WORK", "Schedule", "mla_decode_combine_kernel",
-    "mla_decode_triton",
+    "CAPS", "D_SPLITS", "MIN_WAVES", "SCHEDULES", "TMA_MIN_WORK", "TRITON_FP8_SCHEDULES", "Schedule",
+    "mla_decode_combine_kernel", "mla_decode_triton",
 ]  # fmt: skip
 
 FP8 = torch.float8_e4m3fn
@@ -258,7 +259,7 @@ def mla_decode_fwd_kernel(
         return
 
     # Rows are (query token, head) pairs, each with its own number of visible keys. From here to the split range:
-    # twin of kernels/mla/decode_wgmma.py:mla_decode_wgmma_kernel (same contract) — a fix here belongs there too.
+    # twin of kernels/mla/decode_wgmma.py:split_range (same contract) — a fix here belongs there too.
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
     tok = tok0 + rows // BLOCK_H
     head = head_block * BLOCK_H + rows % BLOCK_H
@@ -424,6 +425,34 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
     )
 
 
+# Registers a thread of the fp8 kernel's dequant warpgroup (`decode_fp8_wgmma`): two raw tiles in flight and the
+# conversion fit, and with the MMA warpgroup's 256 the CTA stays within the SM's 64K.
+FP8_WGMMA_DEQUANT_REGS = 232
+
+
+def _fp8_wgmma_ok(q, kv_cache, kv_lora_rank: int, cfg: dict, sched: Schedule) -> bool:
+    """Whether the fp8-cache Gluon kernel (`decode_fp8_wgmma`) can serve the call: sm_90, an fp8 cache with fp16 or
+    bf16 q, 16 or 32 tile rows, the schedule's split arithmetic on the kernel's own 64-key tiles, an O^T of whole
+    64-row MMAs (kv_lora_rank >= 64) and a rope part of at least one MMA step (>= 16), 16-byte aligned cache rows
+    (its loads take 4 e4m3 a word), q, two fp16 tiles and P within shared memory. Any page size (keys are looked
+    up one by one)."""
+    rows, rope = cfg["BLOCK_Q"] * cfg["BLOCK_H"], kv_cache.shape[2] - kv_lora_rank
+    return (
+        decode_fp8_wgmma is not None
+        and q.device.type == "cuda"
+        and capability(q.device.index) == (9, 0)
+        and kv_cache.dtype == FP8
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and rows in (16, 32)
+        and sched.block_n == decode_fp8_wgmma.BLOCK_N
+        and 64 <= kv_lora_rank <= 512
+        and rope >= 16
+        and kv_cache.shape[2] % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and decode_fp8_wgmma.fp8_wgmma_smem(rows, kv_cache.shape[2], 2) <= _WGMMA_SMEM
+    )
+
+
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
     check_triton_device("q", q)
     if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(-1) != 1:
@@ -512,7 +541,9 @@ def mla_decode_triton(
     max_kv = block_table.shape[1] * page_size
     tile = (kv_cache, kv_lora_rank, cfg["BLOCK_N"], cfg["DSPLIT"])
     use_tma = sched.tma and T * H * max_kv >= TMA_MIN_WORK and _tma_ok(*tile)
-    use_wgmma = sched.wgmma and use_tma and _wgmma_ok(q, kv_cache, kv_lora_rank, cfg)
+    use_fp8_wgmma = sched.wgmma and _fp8_wgmma_ok(q, kv_cache, kv_lora_rank, cfg, sched)
+    use_wgmma = sched.wgmma and use_tma and not use_fp8_wgmma and _wgmma_ok(q, kv_cache, kv_lora_rank, cfg)
+    use_tma = use_tma and not use_fp8_wgmma
     kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma and not use_wgmma else (None, None)
     num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
@@ -527,14 +558,24 @@ def mla_decode_triton(
         part_out, part_lse = out, lse
     qk_scale = float(scale) * math.log2(math.e)
     grid = (slots * num_head_blocks * splits,)
-    if use_wgmma:
+    longest_first = _longest_first(splits, N, grid[0], q.device.index)
+    if use_fp8_wgmma:
+        decode_fp8_wgmma.mla_decode_fp8_wgmma_kernel[grid](
+            q, kv_cache, kv_scale, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse, qk_scale,
+            N, H, num_head_blocks, splits, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank, BLOCK_H=cfg["BLOCK_H"],
+            BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1), USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1,
+            LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=2,
+            DEQUANT_REGS=FP8_WGMMA_DEQUANT_REGS, num_warps=4,  # the MMA warpgroup; the kernel adds the dequant one
+        )  # fmt: skip
+    elif use_wgmma:
         kv_c_desc, kv_pe_desc = decode_wgmma.wgmma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"])
         decode_wgmma.mla_decode_wgmma_kernel[grid](
             q, kv_c_desc, kv_pe_desc, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse,
             qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), block_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1),
             USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, NUM_STAGES=sched.num_stages,
-            LONGEST_FIRST=_longest_first(splits, N, grid[0], q.device.index),
+            LONGEST_FIRST=longest_first,
             num_warps=4,  # the parent and scores warpgroup; the kernel adds its output warpgroup and loader warp
         )  # fmt: skip
     else:

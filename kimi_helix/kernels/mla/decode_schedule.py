@@ -10,7 +10,10 @@ import torch
 
 from kimi_helix.kernels.launch import cdiv, next_pow2
 
-__all__ = ["D_SPLITS", "MAX_SMALL_SPLITS", "MAX_SPLITS", "MIN_WAVES", "SCHEDULES", "SMALL_WAVES", "Schedule"]
+__all__ = [
+    "D_SPLITS", "MAX_SMALL_SPLITS", "MAX_SPLITS", "MIN_WAVES", "SCHEDULES", "SMALL_WAVES", "TRITON_FP8_SCHEDULES",
+    "Schedule",
+]  # fmt: skip
 
 # Programs per SM that the split count aims for by default: sequences of unequal length leave SMs idle at the end
 # of the last wave unless each SM gets several programs to balance over.
@@ -35,8 +38,10 @@ class Schedule(NamedTuple):
     as that many groups (1, 2 or 4) of kv_lora_rank / d_split columns, each with its own score dot and its own
     [rows, kv_lora_rank / d_split] accumulator, so the tensor cores run independent MMA chains instead of one long
     dependent one (a kv_lora_rank too small for the groups to keep 16 columns each takes the largest split that
-    does), and wgmma: run the Gluon warpgroup-MMA kernel (`decode_wgmma`) where it can serve the call (see
-    `decode._wgmma_ok`; 64 tile rows, 16-bit q and cache, Hopper) instead of the Triton one."""
+    does), and wgmma: run a Gluon warpgroup-MMA kernel where it can serve the call instead of the Triton one:
+    `decode_wgmma` for a 16-bit cache (see `decode._wgmma_ok`: 64 tile rows, Hopper), `decode_fp8_wgmma` for an
+    fp8 one (see `decode._fp8_wgmma_ok`: 16 or 32 tile rows, Hopper; its own 64-key tiles in two fp16 buffers, so
+    of the rest only min_waves and min_split_tiles apply to it)."""
 
     block_n: int
     num_warps: int
@@ -58,13 +63,21 @@ class Schedule(NamedTuple):
 # at 64 rows) overflows shared memory. fp8 tiles take 5 pipeline stages at 16 rows: Triton then keeps two TMA
 # buffers, so the next tile's copy overlaps this one's work (one program an SM). A cache whose pages are not a
 # multiple of 64 keys runs these schedules with gathered tiles.
+TRITON_FP8_SCHEDULES = {
+    (1, 16): Schedule(64, 8, 5, 0.0, tma=True),
+    (1, 32): Schedule(64, 8, 2, 0.0, tma=True),
+    (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+}
+# At 16 rows on sm_90 the fp8 cache runs the Gluon swap-AB kernel (`decode_fp8_wgmma`), falling back to the Triton
+# schedule above. At 32 rows that kernel spills registers in its tile loop (O^T's [512, 32] accumulator and its MMA
+# descriptors), so 32 rows keep the Triton kernel.
 SCHEDULES = {
     (2, 16): Schedule(64, 4, 2, 0.0, d_split=4),
     (2, 32): Schedule(64, 4, 2, 8.0, min_waves=8, min_split_tiles=8, d_split=4),
     (2, 64): Schedule(64, 8, 2, 0.0, min_waves=2, tma=True, wgmma=True),
-    (1, 16): Schedule(64, 8, 5, 0.0, tma=True),
-    (1, 32): Schedule(64, 8, 2, 0.0, tma=True),
-    (1, 64): Schedule(64, 8, 2, 0.0, min_waves=8, tma=True),
+    (1, 16): TRITON_FP8_SCHEDULES[(1, 16)]._replace(wgmma=True),
+    (1, 32): TRITON_FP8_SCHEDULES[(1, 32)],
+    (1, 64): TRITON_FP8_SCHEDULES[(1, 64)],
 }
 _FP32_SCHEDULE = Schedule(32, 4, 1, 0.0)  # a correctness path: 4-byte tiles must fit in shared memory
 

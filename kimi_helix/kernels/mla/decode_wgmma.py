@@ -273,6 +273,56 @@ def _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q:
 
 
 @gluon.jit
+def program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, num_head_blocks, num_splits, BLOCK_Q: gl.constexpr,
+                 SEQS_POW2: gl.constexpr, LONGEST_FIRST: gl.constexpr):  # fmt: skip
+    """(head block, split, sequence, first query token, the sequence's query range [q_lo, q_hi)) of this program:
+    head blocks, then splits, vary fastest; sequence -1 (and an empty range) past the last slot. A program whose
+    sequence is -1 or whose first token is past q_hi is idle."""
+    pid = gl.program_id(0)
+    head_block = pid % num_head_blocks
+    split = (pid // num_head_blocks) % num_splits
+    slot = pid // (num_head_blocks * num_splits)
+    if LONGEST_FIRST:
+        seq, tok0 = _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q, SEQS_POW2)
+    else:
+        seq, tok0 = _in_order(cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q, SEQS_POW2)
+    q_lo = gl.load(cu_seqlens_q_ptr + seq, mask=seq >= 0, other=0)
+    q_hi = gl.load(cu_seqlens_q_ptr + seq + 1, mask=seq >= 0, other=0)
+    return head_block, split, seq, tok0, q_lo, q_hi
+
+
+@gluon.jit
+def split_range(cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split,
+                row_layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                USE_KV_BOUNDS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """The program's BLOCK_M rows (query token, head) in row_layout and its split's keys [lo, hi): (row_ok, each
+    row's bound on visible keys, the fewest keys a row sees, lo, hi, tiles, the rows of out and lse). Twin of
+    kernels/mla/decode.py:mla_decode_fwd_kernel (same contract), and shared by both Gluon kernels (this file's
+    and `decode_fp8_wgmma`'s): a fix here belongs there too."""
+    rows = gl.arange(0, BLOCK_M, layout=row_layout)
+    tok = tok0 + rows // BLOCK_H
+    head = head_block * BLOCK_H + rows % BLOCK_H
+    row_ok = (tok < q_hi) & (head < num_heads)
+    kv_len = gl.load(cache_seqlens_ptr + seq)
+    if USE_KV_BOUNDS:
+        bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
+    else:
+        bound = kv_len - (q_hi - q_lo) + (tok - q_lo) + 1
+    bound = gl.where(row_ok, gl.minimum(gl.maximum(bound, 0), kv_len), 0)
+    # Whole tiles a split, so that no tile straddles two splits.
+    split_len = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = gl.minimum(lo + split_len, gl.max(bound, axis=0))
+    bound = gl.minimum(bound, hi)
+    bound_min = gl.min(gl.where(row_ok, bound, hi), axis=0)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    out_row = tok.to(gl.int64) * num_heads + head
+    if SPLIT:
+        out_row = out_row * num_splits + split
+    return row_ok, bound, bound_min, lo, hi, num_tiles, out_row
+
+
+@gluon.jit
 def mla_decode_wgmma_kernel(
     q_ptr,
     kv_c_desc,
@@ -313,43 +363,14 @@ def mla_decode_wgmma_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    # Which sequence, query tokens, heads and split this program owns; head blocks, then splits, vary fastest.
-    pid = gl.program_id(0)
-    head_block = pid % num_head_blocks
-    split = (pid // num_head_blocks) % num_splits
-    slot = pid // (num_head_blocks * num_splits)
-    if LONGEST_FIRST:
-        seq, tok0 = _longest_first(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q, SEQS_POW2)
-    else:
-        seq, tok0 = _in_order(cu_seqlens_q_ptr, num_seqs, slot, BLOCK_Q, SEQS_POW2)
-    if seq < 0:
+    head_block, split, seq, tok0, q_lo, q_hi = program_slot(cache_seqlens_ptr, cu_seqlens_q_ptr, num_seqs,
+                                                            num_head_blocks, num_splits, BLOCK_Q, SEQS_POW2,
+                                                            LONGEST_FIRST)  # fmt: skip
+    if (seq < 0) | (tok0 >= q_hi):
         return
-    q_lo = gl.load(cu_seqlens_q_ptr + seq)
-    q_hi = gl.load(cu_seqlens_q_ptr + seq + 1)
-    if tok0 >= q_hi:
-        return
-
-    # From here to the split range: twin of kernels/mla/decode.py:mla_decode_fwd_kernel (same contract) — a fix
-    # here belongs there too.
-    rows = gl.arange(0, BLOCK_M, layout=row_layout)
-    tok = tok0 + rows // BLOCK_H
-    head = head_block * BLOCK_H + rows % BLOCK_H
-    row_ok = (tok < q_hi) & (head < num_heads)
-    kv_len = gl.load(cache_seqlens_ptr + seq)
-    if USE_KV_BOUNDS:
-        bound = gl.load(kv_bounds_ptr + tok, mask=row_ok, other=0)
-    else:
-        bound = kv_len - (q_hi - q_lo) + (tok - q_lo) + 1
-    bound = gl.where(row_ok, gl.minimum(gl.maximum(bound, 0), kv_len), 0)
-    split_len = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = gl.minimum(lo + split_len, gl.max(bound, axis=0))
-    bound = gl.minimum(bound, hi)
-    bound_min = gl.min(gl.where(row_ok, bound, hi), axis=0)
-    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-    out_row = tok.to(gl.int64) * num_heads + head
-    if SPLIT:
-        out_row = out_row * num_splits + split
+    row_ok, bound, bound_min, lo, hi, num_tiles, out_row = split_range(
+        cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split, row_layout,
+        BLOCK_H, BLOCK_M, BLOCK_N, USE_KV_BOUNDS, SPLIT)  # fmt: skip
 
     # q into shared memory once, as the A operands of the score MMAs: two column halves of q_c, then q_pe.
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DH], dtype)

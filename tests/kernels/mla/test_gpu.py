@@ -103,8 +103,9 @@ def test_gpu_fp8_multi_buffered_tiles(nan_empty, monkeypatch, stages, H, s_q):
     overlap this tile's work) against the reference, with split-KV and without."""
     _gpu()
     monkeypatch.setattr(decode, "TMA_MIN_WORK", 0)
-    for key in ((1, 16), (1, 32)):
-        monkeypatch.setitem(decode.SCHEDULES, key, decode.SCHEDULES[key]._replace(num_stages=stages, tma=True))
+    for key in ((1, 16), (1, 32)):  # the Triton kernel's schedules, not the Gluon one's
+        sched = decode.TRITON_FP8_SCHEDULES[key]._replace(num_stages=stages, tma=True)
+        monkeypatch.setitem(decode.SCHEDULES, key, sched)
     lens = [3001, 1, 64, 65, 700, 4096]
     args, _ = make_case(lens, [s_q] * len(lens), H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
                         kv_dtype=FP8, seed=stages + H)  # fmt: skip
@@ -165,6 +166,93 @@ def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, boun
         assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-3)
     assert chosen == [True, True, True]
     assert orders[1:] == [False, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("H", "s_q", "page_size", "bounds", "dims", "q_dtype"),
+    [
+        (16, 1, 64, False, (512, 64), torch.bfloat16),
+        (16, 4, 64, True, (512, 64), torch.bfloat16),  # verify: 4 heads x 4 tokens a tile
+        (32, 1, 64, False, (512, 64), torch.bfloat16),  # 32 rows (a Triton schedule unless forced, as here)
+        (32, 4, 128, False, (512, 64), torch.bfloat16),
+        (16, 2, 16, True, (512, 64), torch.float16),  # pages smaller than a tile
+        (8, 2, 32, False, (128, 32), torch.bfloat16),  # other latent and rope widths
+    ],
+)
+def test_gpu_fp8_wgmma_kernel(nan_empty, monkeypatch, H, s_q, page_size, bounds, dims, q_dtype):
+    """The fp8-cache Gluon swap-AB kernel (16 and 32 tile rows on sm_90) against the reference: sequences of 1 to
+    4100 keys (partial first and last tiles, keys past a page), per-token bounds including zeros, split-KV, one
+    split with the sequences taken longest first, key scales spread over 2^-3 .. 2^3, a NaN-poisoned cache."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    for key in ((1, 16), (1, 32)):
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.TRITON_FP8_SCHEDULES[key]._replace(wgmma=True))
+    chosen = []
+    fp8_ok = decode._fp8_wgmma_ok
+    monkeypatch.setattr(decode, "_fp8_wgmma_ok", lambda *a: chosen.append(fp8_ok(*a)) or chosen[-1])
+    lens = [max(s_q, n) for n in (1, 63, 64, 65, 130, 700, 4100, 64)]
+    args, _ = make_case(lens, [s_q] * len(lens), H, page_size=page_size, kv_lora=dims[0], rope=dims[1],
+                        dtype=q_dtype, kv_dtype=FP8, seed=H + s_q + page_size)  # fmt: skip
+    args["scale"] = 192**-0.5
+    gen = torch.Generator().manual_seed(s_q)
+    args["kv_scale"] *= torch.exp2(torch.randint(-3, 4, args["kv_scale"].shape, generator=gen)).to(DEVICE)
+    if bounds:
+        limit = torch.tensor(lens).repeat_interleave(s_q) + 1
+        args["kv_bounds"] = (torch.rand(len(limit), generator=gen) * limit).int().to(DEVICE)
+        args["kv_bounds"][::5] = 0
+    want_out, want_lse = mla_decode_ref(**args)
+    for splits in (None, 3, 1):
+        if splits == 1:  # one split, more programs than "SMs": the programs take sequences longest first
+            monkeypatch.setattr(decode, "num_sms", lambda *_: 1)
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out (splits {splits})", out, want_out.float(), TOL[torch.bfloat16])
+        assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-3)
+    assert chosen == [True, True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 32])
+def test_gpu_fp8_wgmma_queries_beyond_fp16(nan_empty, monkeypatch, H):
+    """The Gluon fp8 kernel scales q per row into fp16's range as the Triton one does: bf16 queries far beyond
+    65504, and a head far below it, match the reference."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    for key in ((1, 16), (1, 32)):
+        monkeypatch.setitem(decode.SCHEDULES, key, decode.TRITON_FP8_SCHEDULES[key]._replace(wgmma=True))
+    args, _ = make_case([3001, 64, 700], [1, 1, 1], H, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=FP8, seed=H)  # fmt: skip
+    args["q"] = args["q"] * 1e5
+    args["q"][:, 0] *= 1e-12
+    args["scale"] = 192**-0.5 * 1e-5
+    out, lse = mla_decode_triton(**args)
+    want_out, want_lse = mla_decode_ref(**args)
+    assert_rel_close_inf("out", out, want_out.float(), TOL[torch.bfloat16])
+    assert_rel_close_inf("lse", lse, want_lse, 1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_wgmma_extreme_key_scales(nan_empty, monkeypatch):
+    """Per-token scales from 1e-23 to 1, and zeros, through the Gluon fp8 kernel: its P @ c weights are normalised
+    by their own running max as the Triton kernel's are (`decode_fp8.attend_tile_fp8`)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setitem(decode.SCHEDULES, (1, 16), decode.TRITON_FP8_SCHEDULES[(1, 16)]._replace(wgmma=True))
+    args, _ = make_case([1500, 400, 1], [1, 1, 1], 16, page_size=64, kv_lora=512, rope=64, dtype=torch.bfloat16,
+                        kv_dtype=FP8, seed=5)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    scale = args["kv_scale"].cpu()
+    exponents = torch.randint(-20, 3, scale.shape, generator=gen).double()
+    scale = torch.where(torch.isnan(scale), scale, (10.0**exponents).float() * 1e-3)
+    scale[torch.rand(scale.shape, generator=gen) < 0.1] = 0.0
+    args["kv_scale"] = scale.to(DEVICE)
+    args["q"] = args["q"] * 1e-3
+    args["scale"] = 192**-0.5
+    want_out, want_lse = mla_decode_ref(**args)
+    for splits in (1, 4):
+        out, lse = mla_decode_triton(**args, num_kv_splits=splits)
+        assert_rel_close_inf(f"out (splits {splits})", out, want_out.float(), TOL[torch.bfloat16])
+        assert_rel_close_inf(f"lse (splits {splits})", lse, want_lse, 1e-3)
 
 
 @pytest.mark.gpu

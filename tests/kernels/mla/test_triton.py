@@ -480,3 +480,80 @@ def test_triton_rejects_more_queries_than_keys():
     cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=TRITON_DEVICE) for n in (3, 2))
     with pytest.raises(ValueError, match="more new tokens"):
         mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
+
+
+def _fp8_call(device="cuda", q_dtype=torch.bfloat16, kv_dtype=FP8, kv_lora=512, rope=64, ptr=0):
+    """Stand-ins for q and the cache as `decode._fp8_wgmma_ok` reads them (no GPU needed)."""
+    from types import SimpleNamespace
+
+    q = SimpleNamespace(device=torch.device(device, 0) if device == "cuda" else torch.device(device), dtype=q_dtype)
+    cache = SimpleNamespace(dtype=kv_dtype, shape=(8, 64, kv_lora + rope), data_ptr=lambda: ptr)
+    return q, cache, kv_lora
+
+
+@pytest.mark.parametrize(
+    ("change", "served"),
+    [
+        ({}, True),
+        ({"rows": (32, 1)}, True),
+        ({"rows": (4, 4)}, True),  # verify: 4 heads x 4 query tokens
+        ({"rows": (64, 1)}, False),
+        ({"capability": (8, 0)}, False),
+        ({"capability": (10, 0)}, False),
+        ({"device": "cpu"}, False),
+        ({"kv_dtype": torch.bfloat16}, False),
+        ({"q_dtype": torch.float32}, False),
+        ({"kv_lora": 32, "rope": 16}, False),  # O^T of half a 64-row MMA
+        ({"rope": 0}, False),
+        ({"block_n": 32}, False),
+        ({"ptr": 8}, False),
+        ({"gluon": False}, False),
+    ],
+)
+def test_fp8_wgmma_serves(monkeypatch, change, served):
+    """The fp8 Gluon kernel's gate: sm_90, an fp8 cache with 16-bit q, 16 or 32 tile rows, its own 64-key tiles,
+    kv_lora_rank >= 64 and a rope part, aligned rows."""
+    monkeypatch.setattr(decode, "capability", lambda *_: change.get("capability", (9, 0)))
+    if not change.get("gluon", True):
+        monkeypatch.setattr(decode, "decode_fp8_wgmma", None)
+    elif decode.decode_fp8_wgmma is None:
+        pytest.skip("this Triton has no Gluon Hopper ops")
+    keys = ("device", "q_dtype", "kv_dtype", "kv_lora", "rope", "ptr")
+    q, cache, kv_lora = _fp8_call(**{k: v for k, v in change.items() if k in keys})
+    block_h, block_q = change.get("rows", (16, 1))
+    sched = decode.SCHEDULES[(1, 16)]._replace(block_n=change.get("block_n", 64))
+    assert decode._fp8_wgmma_ok(q, cache, kv_lora, dict(BLOCK_H=block_h, BLOCK_Q=block_q), sched) == served
+
+
+def test_fp8_schedules_committed_and_triton():
+    """16 fp8 rows take the Gluon kernel (Schedule.wgmma) with the Triton schedule kept as its fallback; 32 and 64
+    rows keep the Triton schedules (TRITON_FP8_SCHEDULES, which bench_mla.py --fp8-schedules triton compares)."""
+    committed, triton_only = decode_schedule.SCHEDULES, decode_schedule.TRITON_FP8_SCHEDULES
+    assert committed[(1, 16)] == triton_only[(1, 16)]._replace(wgmma=True)
+    assert committed[(1, 32)] == triton_only[(1, 32)] and committed[(1, 64)] == triton_only[(1, 64)]
+    assert not any(s.wgmma for s in triton_only.values())
+    cfg, sched = decode_schedule.choose_tiles(16, 128, 128, torch.float16, 1, 512)
+    assert (cfg["BLOCK_H"], cfg["BLOCK_Q"], sched.wgmma) == (16, 1, True)
+
+
+@pytest.mark.skipif(decode.decode_fp8_wgmma is None, reason="this Triton has no Gluon Hopper ops")
+def test_fp8_wgmma_kernel_compiles_for_sm90_without_spills():
+    """The fp8 Gluon kernel compiles for sm_90 (no GPU needed) at 16 rows, decode (16 heads, split KV) and verify
+    (4 heads x 4 tokens, one split, longest first), without register spills; the host's shared-memory estimate
+    (what `_fp8_wgmma_ok` gates on) stays within 2 KB of what the compiler allocates."""
+    cases = [(16, 16, True, False), (16, 4, False, True)]  # (rows, heads a tile, split KV, longest first)
+    code = (
+        "import json; import kernel_resources as kr; "
+        "print(json.dumps([kr.resources(*kr.mla_fp8_wgmma_case(r, h, split=s, longest_first=f)[1:6]) "
+        f"for r, h, s, f in {cases!r}]))"
+    )
+    scripts = os.path.join(os.path.dirname(__file__), "..", "..", "..", "scripts")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([scripts, *sys.path]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    estimate = decode.decode_fp8_wgmma.fp8_wgmma_smem(16, 576, 2)
+    assert estimate <= decode._WGMMA_SMEM
+    for case, usage in zip(cases, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
+        assert usage["stack"] == 0 and usage["LDL"] == 0, (case, usage)
+        assert usage["HGMMA"] > 0, (case, usage)
+        assert estimate <= usage["shared"] <= estimate + 2048, (case, usage)
