@@ -173,9 +173,9 @@ def test_gpu_wgmma_kernel(nan_empty, monkeypatch, dtype, page_size, H, s_q, boun
     ("H", "s_q", "page_size", "bounds", "dims", "q_dtype"),
     [
         (16, 1, 64, False, (512, 64), torch.bfloat16),
-        (16, 4, 64, True, (512, 64), torch.bfloat16),  # verify: 4 heads x 4 tokens a tile
+        (4, 4, 64, True, (512, 64), torch.bfloat16),  # verify: 4 heads x 4 tokens a tile
         (32, 1, 64, False, (512, 64), torch.bfloat16),  # 32 rows (a Triton schedule unless forced, as here)
-        (32, 4, 128, False, (512, 64), torch.bfloat16),
+        (8, 4, 128, False, (512, 64), torch.bfloat16),  # 32 rows of 8 heads x 4 tokens
         (16, 2, 16, True, (512, 64), torch.float16),  # pages smaller than a tile
         (8, 2, 32, False, (128, 32), torch.bfloat16),  # other latent and rope widths
     ],
