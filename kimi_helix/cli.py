@@ -152,6 +152,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64, help="tokens per cache page")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-draft-tokens", type=int, default=0, help="drafts per graphed verify group (0: none)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of --gpu-mem to use")
     p.set_defaults(run=_cmd_plan)
 
@@ -314,6 +315,7 @@ def _cmd_plan(args: argparse.Namespace) -> None:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_draft_tokens=args.max_draft_tokens,
         )
     except ValueError as err:
         raise UsageError(str(err)) from err
@@ -343,6 +345,12 @@ def _plan_table(plan: MemoryPlan, source: str) -> str:
             f"{_bytes(plan.activation_reserve_bytes)} (reserve: max_num_batched_tokens={plan.max_num_batched_tokens}, "
             f"max_num_seqs={plan.max_num_seqs})",
         ),
+    ]
+    if plan.verify_scratch_bytes:
+        rows.append(
+            ("verify scratch", f"{_bytes(plan.verify_scratch_bytes)} (graphed verify steps, k={plan.max_draft_tokens})")
+        )
+    rows += [
         ("free for cache", _bytes(plan.free_bytes_for_cache)),
         (
             "MLA cache",

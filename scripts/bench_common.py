@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -28,7 +29,10 @@ __all__ = [
     "matmul_tflops",
     "precompile",
     "print_markdown_table",
+    "profile_kernels",
+    "release",
     "run_metadata",
+    "sync",
 ]
 
 
@@ -155,3 +159,37 @@ def print_markdown_table(rows: list[dict], cols: list[str]) -> None:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (nothing to wait for off the GPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device | str) -> None:
+    """Free what the last case left: collect its objects, then hand the allocator's cached blocks back."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def profile_kernels(fn, device: torch.device | str, steps: int, top: int = 0) -> tuple[float | None, list[dict]]:
+    """CUDA kernel events per call of fn over `steps` profiled calls (memcpy/memset excluded), and the `top`
+    kernels by GPU time per call (name, calls and microseconds per step); (None, []) off the GPU."""
+    if torch.device(device).type != "cuda":
+        return None, []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    kernels = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)  # microseconds
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    table = [dict(kernel=name[:90], calls=len(t) / steps, us=round(sum(t) / steps, 1)) for name, t in ranked]
+    return len(kernels) / steps, table

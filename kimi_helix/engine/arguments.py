@@ -72,3 +72,22 @@ def check_device(device) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r}: CUDA is not available here")
     return device
+
+
+# The most drafts a CUDA-graphed verify group carries (`engine.cuda_graph`: verify graphs take k <= 8).
+MAX_GRAPH_DRAFT_TOKENS = 8
+
+
+def graph_draft_tokens(max_draft_tokens, speculative_k: int | None, page_size: int) -> int:
+    """Drafts per verify group that CUDA-graphed verify steps take: `max_draft_tokens` when given (0 to 8, and
+    1 + k within a page), else the speculative config's k (clipped to what a graph takes: larger groups run
+    eagerly), else 0: no verify graphs, so no memory is set aside for their scratch."""
+    limit = min(MAX_GRAPH_DRAFT_TOKENS, page_size - 1)
+    if max_draft_tokens is None:
+        return min(speculative_k or 0, limit)
+    if not is_int(max_draft_tokens) or not 0 <= max_draft_tokens <= limit:
+        raise ValueError(
+            f"max_draft_tokens must be None or an int in [0, {limit}] (at most {MAX_GRAPH_DRAFT_TOKENS}, and 1 + k "
+            f"tokens within a page of {page_size}), got {max_draft_tokens!r}"
+        )
+    return int(max_draft_tokens)

@@ -211,7 +211,8 @@ class PagedCache:
 
     def reserve_verify_scratch(self, max_tokens: int) -> None:
         """Allocate each KDA layer's `VerifyScratch` for verify steps of up to `max_tokens` tokens (once: CUDA
-        graphs keep the addresses; asking for more than the first time raises)."""
+        graphs keep the addresses; asking for more than the first time raises). Its size per token is
+        `planner.verify_scratch_bytes_per_token`, which the engine prices before sizing the cache."""
         if self.verify_scratch:
             have = next(iter(self.verify_scratch.values())).states.shape[0]
             if max_tokens > have:
@@ -228,12 +229,6 @@ class PagedCache:
         self._scratch_stack = stack
         for j, i in enumerate(self.conv):
             self.verify_scratch[i] = VerifyScratch(stack.states[j], stack.inputs[j], stack.conv_before[j])
-
-    def verify_scratch_bytes_per_token(self) -> int:
-        """Bytes of verify scratch one token takes over all KDA layers (its state, its conv input and a conv state)."""
-        return sum(s[0].numel() * s.element_size() for s in self.recurrent.values()) + sum(
-            c.shape[1] * c.shape[2] * c.element_size() + c.shape[2] * c.element_size() for c in self.conv.values()
-        )
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[N, width] int32 host ids of the sequences' mapped pages (rows padded with page 0, never read); width

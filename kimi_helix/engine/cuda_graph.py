@@ -14,8 +14,10 @@ replays it: one launch for the whole step.
   cache page and one state slot) on the host and uploads them in one copy before each replay.
 - Verify steps and KDA rollback: the KDA layers write a verify step's per-token states and conv inputs into the
   cache's static verify scratch (`PagedCache.reserve_verify_scratch`, sized for the largest graphed verify step:
-  the buckets whose scratch fits `verify_scratch_bytes`), and after each replay the records that
-  `PagedCache.rollback` reads are rebuilt for the step's own sequences from what the capture recorded.
+  the largest bucket whose batch x (1 + max_draft_tokens) tokens fit `verify_tokens`, which the engine takes from
+  the planner, `planner.verify_graph_tokens`, so that the memory is priced before the cache is sized), and after
+  each replay the records that `PagedCache.rollback` reads are rebuilt for the step's own sequences from what the
+  capture recorded. An engine without verify steps passes max_draft_tokens = 0: no verify graph, no scratch.
 - Every launch decision inside the step comes from shapes fixed at capture (the bucket, the block-table width,
   the cache's dtype and page size), never from the step's lengths, which the kernels read on the device; so a
   graph captured once is valid for any lengths up to the block table's capacity. Nothing in the step reads a
@@ -33,6 +35,7 @@ import torch
 
 from ..modeling.batch import ForwardBatch, Phase
 from .cache import CacheView
+from .planner import verify_graph_tokens
 from .runner import ModelRunner, Padding, RunnerOutput, StepInputs
 from .scheduler import ScheduledStep
 
@@ -42,9 +45,6 @@ __all__ = ["SCRATCH_SEQ_ID", "GraphKey", "StepGraphs", "default_buckets"]
 
 # The ledger entry of the graphs' scratch sequence (request ids are >= 0; profiling steps use small negative ids).
 SCRATCH_SEQ_ID = -(1 << 62)
-# Default room for the verify scratch: at kimi-linear-48b-a3b shapes (20 KDA layers, 2 MiB of state per token and
-# layer) 4 GiB serves 16 sequences at k = 4, 8 at k = 8; larger verify steps run eagerly.
-VERIFY_SCRATCH_BYTES = 4 << 30
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -80,8 +80,9 @@ class StepGraphs:
         use_graphs: False runs each padded bucket-shaped step eagerly from the same static buffers instead of
             replaying a graph (any device): a graph's exact inputs without capture, to tell a capture problem from
             a padding problem, and what the CPU tests check the padding with.
-        verify_scratch_bytes: room for the KDA verify scratch; verify steps of buckets whose 1 + max_draft_tokens
-            tokens a sequence do not fit run eagerly.
+        verify_tokens: tokens of KDA verify scratch; verify steps of buckets whose batch x (1 + max_draft_tokens)
+            tokens do not fit run eagerly. None: `planner.verify_graph_tokens` of the runner's sizes (the engine
+            passes the count its memory plan priced).
 
     Reserves a scratch sequence in the runner's ledger (one state slot, one page): the engine sizes its ledger
     one slot and one page above what requests may use. The verify scratch is allocated at the first verify step.
@@ -93,7 +94,7 @@ class StepGraphs:
         buckets: tuple[int, ...] | None = None,
         max_draft_tokens: int = 8,
         use_graphs: bool = True,
-        verify_scratch_bytes: int = VERIFY_SCRATCH_BYTES,
+        verify_tokens: int | None = None,
     ):
         if use_graphs and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
@@ -109,8 +110,9 @@ class StepGraphs:
         self.buckets = tuple(sorted(s for s in (buckets or default_buckets(self.max_seqs)) if s <= self.max_seqs))
         if not self.buckets:
             raise ValueError(f"no bucket fits the runner's {self.max_seqs} sequences")
-        per_seq = (max_draft_tokens + 1) * runner.cache.verify_scratch_bytes_per_token()
-        fits = [s for s in self.buckets if s * per_seq <= verify_scratch_bytes]
+        if verify_tokens is None:
+            verify_tokens = verify_graph_tokens(self.max_seqs, self.max_tokens, max_draft_tokens)
+        fits = [s for s in self.buckets if s * (max_draft_tokens + 1) <= verify_tokens]
         self.max_verify_seqs = max(fits, default=0) if max_draft_tokens else 0  # the largest verify-graph bucket
         scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1, map_now=True)
         self.scratch_page, self.scratch_slot = scratch.pages[0], scratch.slot

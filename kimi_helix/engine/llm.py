@@ -17,10 +17,18 @@ from ..kernels.launch import cdiv
 from ..modeling.batch import Phase
 from ..modeling.model import KimiK3ForCausalLM
 from ..tokenizer import load_tokenizer
-from .arguments import check_arguments, check_async_scheduling, check_device, check_dtype, is_int
+from .arguments import (
+    check_arguments,
+    check_async_scheduling,
+    check_device,
+    check_dtype,
+    graph_draft_tokens,
+    is_int,
+)
 from .async_scheduling import AsyncScheduling
 from .cache import PagedCache, PageLedger
 from .cuda_graph import StepGraphs
+from .planner import verify_graph_tokens
 from .runner import ModelRunner
 from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
 from .scheduler import Request, Scheduler
@@ -112,6 +120,11 @@ class LLM:
             (`engine.async_scheduling`); None (default) turns it on for one CUDA process without speculative
             decoding. True also works on the CPU (no overlap there, the same tokens); it cannot be combined with
             `speculative_config` or tp * cp > 1.
+        max_draft_tokens: drafts per verify group that CUDA-graphed verify steps take (0 to 8); None (default):
+            the speculative config's `num_speculative_tokens`, else 0. With graphs on and k > 0, the KDA verify
+            scratch of up to `planner.verify_graph_tokens` tokens (max_num_seqs x (1 + k), capped) is set aside
+            before the cache is sized; larger verify steps, and all of them at 0, run eagerly. Set it to verify
+            drafts placed on requests by hand (`Request.draft_token_ids`) in graphs without a speculative config.
     """
 
     def __init__(
@@ -138,6 +151,7 @@ class LLM:
         device_map: str | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
+        max_draft_tokens: int | None = None,
     ):
         backends = BackendChoice.from_env(attention=attention_backend, kernels=kernel_backend)
         if model is None:
@@ -176,6 +190,8 @@ class LLM:
                 tp=tensor_parallel_size,
                 cp=context_parallel_size,
             )
+        spec_k = spec.num_speculative_tokens if spec is not None else None
+        draft_tokens = graph_draft_tokens(max_draft_tokens, spec_k, page_size)  # before any weights load
         folder = model if isinstance(model, (str, Path)) else getattr(model, "name_or_path", None)
         self._place_model(
             model, dtype, device, device_map, (tensor_parallel_size, context_parallel_size), dist_timeout_s
@@ -184,9 +200,16 @@ class LLM:
         self.backends = backends
         self.model.model.set_backends(backends)
         self.max_model_len = self._check_max_model_len(max_model_len)
+        # Verify graphs (and the memory their scratch takes) only where verify steps are configured and graphed.
+        graphs = self.device.type == "cuda" and not enforce_eager and self.comm is None
+        draft_tokens = draft_tokens if graphs else 0
         if num_pages is None:
-            num_pages = self._default_num_pages(page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
-        self._build_engine(num_pages, page_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, enforce_eager)
+            num_pages = self._default_num_pages(
+                page_size, max_num_seqs, kv_cache_dtype, gpu_memory_utilization, max_num_batched_tokens, draft_tokens
+            )
+        self._build_engine(
+            num_pages, page_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, graphs, draft_tokens
+        )
         self.metrics: list[StepMetrics] = []
         self._next_id = 0
         self.speculative = None
@@ -218,10 +241,13 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's model_max_length={limit}")
         return max_model_len or min(limit, 8192)
 
-    def _build_engine(self, num_pages, page_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, eager):
-        """The cache, scheduler and model runner; on CUDA (one process, not `eager`) also the step graphs."""
+    def _build_engine(
+        self, num_pages, page_size, max_num_seqs, max_num_batched_tokens, kv_cache_dtype, use_graphs, draft_tokens
+    ):
+        """The cache, scheduler and model runner; with `use_graphs` (CUDA, one process, not eager) also the step
+        graphs, whose verify steps take up to `draft_tokens` drafts a sequence within the verify scratch the
+        planner prices (`verify_graph_tokens`)."""
         # CUDA graphs (one process only for now) keep one extra state slot and page for their padding rows.
-        use_graphs = self.device.type == "cuda" and not eager and self.comm is None
         self.cache = self._build_cache(num_pages, page_size, max_num_seqs, kv_cache_dtype, extra=int(use_graphs))
         self.scheduler = Scheduler(self.cache.ledger, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(
@@ -234,7 +260,8 @@ class LLM:
             attention_backend=self.backends.attention,
         )
         if use_graphs:
-            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=min(8, page_size - 1))
+            verify_tokens = verify_graph_tokens(max_num_seqs, max_num_batched_tokens, draft_tokens)
+            self.runner.graphs = StepGraphs(self.runner, max_draft_tokens=draft_tokens, verify_tokens=verify_tokens)
 
     def _build_cache(self, num_pages: int, page_size: int, max_num_seqs: int, kv_cache_dtype: str, extra: int):
         """The paged cache: one process's (`extra` more pages and state slots for CUDA-graph padding rows), or
@@ -249,25 +276,31 @@ class LLM:
             config, self.comm, num_pages, page_size, max_num_seqs, dtype, self.device, kv_cache_dtype=kv_cache_dtype
         )
 
-    def _default_num_pages(self, page_size, max_num_seqs, kv_cache_dtype, utilization) -> int:
+    def _default_num_pages(
+        self, page_size, max_num_seqs, kv_cache_dtype, utilization, max_num_batched_tokens, draft_tokens
+    ) -> int:
         """Pages for `max_num_seqs` full-length sequences at most; on CUDA also at most what fits in
-        `utilization` of the free memory after the KDA state pool (weights are already resident)."""
+        `utilization` of the free memory after the KDA state pool and, when verify steps are graphed
+        (`draft_tokens` > 0), their verify scratch (weights are already resident)."""
         per_seq = cdiv(self.max_model_len, page_size)
         wanted = per_seq * max_num_seqs if self.device.type == "cuda" else per_seq * min(max_num_seqs, 8)
         if self.device.type != "cuda":
             return wanted
-        from .planner import cache_bytes_per_token, kda_state_bytes_per_rank
+        from .planner import cache_bytes_per_token, kda_state_bytes_per_rank, verify_scratch_bytes_per_token
 
         config, itemsize = self.model.config, self.model.dtype.itemsize
         free, _ = torch.cuda.mem_get_info(self.device)
         token_bytes = cache_bytes_per_token(config, itemsize, kv_cache_dtype)
         state_bytes = kda_state_bytes_per_rank(config, 1, itemsize) * max_num_seqs
-        budget = int(free * utilization) - state_bytes
+        verify_tokens = verify_graph_tokens(max_num_seqs, max_num_batched_tokens, draft_tokens)
+        verify_bytes = verify_tokens * verify_scratch_bytes_per_token(config, 1, itemsize)
+        budget = int(free * utilization) - state_bytes - verify_bytes
         fits = budget // max(1, token_bytes * page_size)
         if fits < per_seq:
             raise ValueError(
                 f"gpu_memory_utilization={utilization} of {free / 2**30:.1f} GiB free leaves room for {max(fits, 0)} "
-                f"cache pages of {page_size} tokens; one max_model_len={self.max_model_len} sequence needs {per_seq}"
+                f"cache pages of {page_size} tokens (after {verify_bytes / 2**30:.1f} GiB of verify scratch for "
+                f"max_draft_tokens={draft_tokens}); one max_model_len={self.max_model_len} sequence needs {per_seq}"
             )
         return min(wanted, fits)
 

@@ -12,6 +12,10 @@ sequences. The sharding rules it assumes:
   spreads the pages: page b of a sequence lives on rank b % cp (the ledger of `engine/cache.py`), so each rank
   holds 1/cp of the tokens, rounded up to whole pages for one sequence, and rank 0 is the fullest.
 - **KDA state**: heads are split over all `tp * cp` ranks (`num_heads % (tp * cp) == 0` is required).
+- **Verify scratch** (`max_draft_tokens > 0`): CUDA-graphed verify steps record every KDA layer's per-token state
+  into a static scratch (`PagedCache.reserve_verify_scratch`) of `verify_graph_tokens` tokens, each
+  `verify_scratch_bytes_per_token`. It is priced only when it can be used: a caller passes `max_draft_tokens=0`
+  for an eager engine or one that never verifies, and `LLM` does the same (`LLM._default_num_pages`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ ACTIVATION_BUFFERS = 4
 # Sampler reserve per logit of each sequence: fp32 logits, scaled logits, probs and noise, plus a sort's fp32
 # values and int64 indices = 28 B, rounded up.
 SAMPLER_BYTES_PER_LOGIT = 32
+# The most tokens a CUDA-graphed verify step takes (batch x (1 + k)). Its KDA scratch costs 42 MB a token at
+# kimi-linear-48b-a3b shapes (20 layers of a 2 MiB fp32 state), so 512 tokens = 22 GB: batch 64 at k = 4 (320
+# tokens) fits under the cap, larger verify steps run eagerly rather than take more of the cache's memory.
+VERIFY_GRAPH_MAX_TOKENS = 512
 
 _UNITS = {
     "b": 1,
@@ -83,7 +91,7 @@ class MemoryPlan:
     """Where one rank's GPU memory goes (bytes, per rank unless named otherwise), and what the cache then holds.
 
     usable_bytes = floor(gpu_memory_bytes * gpu_memory_utilization)
-                 = weight_bytes_per_rank + activation_reserve_bytes + free_bytes_for_cache.
+                 = weight_bytes_per_rank + activation_reserve_bytes + verify_scratch_bytes + free_bytes_for_cache.
 
     Capacities, both with the fullest rank (rank 0) as the limit:
 
@@ -104,10 +112,12 @@ class MemoryPlan:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_draft_tokens: int
     usable_bytes: int
     weight_bytes_per_rank: int  # the draft's included
     draft_weight_bytes: int
     activation_reserve_bytes: int
+    verify_scratch_bytes: int  # the CUDA-graphed verify steps' KDA scratch (0 when max_draft_tokens = 0)
     free_bytes_for_cache: int
     mla_cache_bytes_per_token: int  # one token, all MLA layers, whole (before CP)
     mla_cache_bytes_per_token_per_rank: float  # the average over the cp ranks: mla_cache_bytes_per_token / cp
@@ -136,6 +146,7 @@ def plan_memory(
     max_model_len: int | None = None,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
+    max_draft_tokens: int = 0,
 ) -> MemoryPlan:
     """Plan one rank's memory for `config` served on `tp * cp` GPUs of `gpu_memory_bytes` each (module docstring).
 
@@ -153,6 +164,9 @@ def plan_memory(
         max_num_seqs: sequences whose KDA state is reserved for `max_concurrent_tokens`, and rows of the sampler
             reserve.
         max_num_batched_tokens: tokens per forward step, for the activation reserve.
+        max_draft_tokens: drafts per verify group that CUDA-graphed verify steps take; > 0 reserves their KDA
+            scratch (`verify_graph_tokens` x `verify_scratch_bytes_per_token`). 0 (default): no verify graphs
+            (an eager engine, or one without speculative decoding).
 
     The activation reserve is `max_num_batched_tokens * ACTIVATION_BUFFERS * widest * dtype bytes` (widest: the
     widest per-token activation of any layer, unsharded - conservative under TP) plus `max_num_seqs * vocab_size *
@@ -169,6 +183,8 @@ def plan_memory(
     counts = {"tp": tp, "cp": cp, "page_size": page_size, "max_model_len": max_model_len}
     counts |= {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     _check_plan_args(config, counts, kv_cache_dtype, gpu_memory_utilization, dtype)
+    if not isinstance(max_draft_tokens, int) or isinstance(max_draft_tokens, bool) or max_draft_tokens < 0:
+        raise ValueError(f"max_draft_tokens must be an int >= 0, got {max_draft_tokens!r}")
     world = tp * cp
     dtype_bytes = dtype.itemsize
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
@@ -181,12 +197,15 @@ def plan_memory(
             f"tp={tp}, cp={cp}, more than the {usable:,} B usable at gpu_memory_utilization={gpu_memory_utilization}"
         )
     activation = _activation_reserve(config, dtype_bytes, max_num_batched_tokens, max_num_seqs)
-    free = usable - weights - activation
+    verify_tokens = verify_graph_tokens(max_num_seqs, max_num_batched_tokens, max_draft_tokens)
+    verify = verify_tokens * verify_scratch_bytes_per_token(config, world, dtype_bytes)
+    free = usable - weights - activation - verify
     if free <= 0:
         raise ValueError(
-            f"gpu_memory_bytes={gpu_memory_bytes:,} is too small: the weights ({weights:,} B per rank) and the "
+            f"gpu_memory_bytes={gpu_memory_bytes:,} is too small: the weights ({weights:,} B per rank), the "
             f"activation reserve ({activation:,} B for max_num_batched_tokens={max_num_batched_tokens}, "
-            f"max_num_seqs={max_num_seqs}) leave nothing for the cache"
+            f"max_num_seqs={max_num_seqs}) and the verify scratch ({verify:,} B for max_draft_tokens="
+            f"{max_draft_tokens}) leave nothing for the cache"
         )
 
     cache = _cache_capacity(config, free, dtype_bytes, kv_cache_dtype, page_size, (tp, cp), max_num_seqs, max_model_len)
@@ -201,10 +220,12 @@ def plan_memory(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_draft_tokens=max_draft_tokens,
         usable_bytes=usable,
         weight_bytes_per_rank=weights,
         draft_weight_bytes=draft,
         activation_reserve_bytes=activation,
+        verify_scratch_bytes=verify,
         free_bytes_for_cache=free,
         **cache,
     )
@@ -284,6 +305,25 @@ def kda_state_bytes_per_rank(config: KimiK3Config, world: int, conv_dtype_bytes:
     W - 1] per KDA layer."""
     h, k, w = config.kda_num_heads // world, config.kda_head_dim, config.conv_kernel_size
     return n_kda_layers(config) * (h * k * k * 4 + 3 * h * k * (w - 1) * conv_dtype_bytes)
+
+
+def verify_scratch_bytes_per_token(config: KimiK3Config, world: int, conv_dtype_bytes: int) -> int:
+    """Bytes of verify scratch one token of a graphed verify step takes, all KDA layers (H / world heads each):
+    the fp32 recurrent state after it [H/world, K, K], the conv state before it [W - 1, 3 H/world K] and its conv
+    input [3 H/world K] (`engine.cache.VerifyScratch`): a KDA state plus one conv input per layer."""
+    conv_input = 3 * (config.kda_num_heads // world) * config.kda_head_dim * conv_dtype_bytes
+    return kda_state_bytes_per_rank(config, world, conv_dtype_bytes) + n_kda_layers(config) * conv_input
+
+
+def verify_graph_tokens(
+    max_num_seqs: int, max_num_batched_tokens: int, max_draft_tokens: int, cap: int = VERIFY_GRAPH_MAX_TOKENS
+) -> int:
+    """Tokens of verify scratch for CUDA-graphed verify steps of up to `max_draft_tokens` drafts a sequence: the
+    largest verify step, `max_num_seqs` x (1 + max_draft_tokens), bounded by the step's token budget and `cap`;
+    0 when `max_draft_tokens` is 0. `StepGraphs` takes the largest batch bucket whose step fits it."""
+    if max_draft_tokens <= 0:
+        return 0
+    return min(max_num_seqs * (max_draft_tokens + 1), max_num_batched_tokens, cap)
 
 
 def widest_activation(config: KimiK3Config) -> int:

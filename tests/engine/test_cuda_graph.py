@@ -49,7 +49,8 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _llm(model, graphs: bool, kv_cache_dtype: str = "auto") -> LLM:
-    """An engine with graphs (real ones on CUDA, static-buffer steps on the CPU) or without."""
+    """An engine with graphs (real ones on CUDA, static-buffer steps on the CPU) or without; its verify graphs
+    take the hand-set drafts of these tests (up to 8, `max_draft_tokens`)."""
     on_cuda = next(model.parameters()).is_cuda
     llm = LLM(
         model,
@@ -58,6 +59,7 @@ def _llm(model, graphs: bool, kv_cache_dtype: str = "auto") -> LLM:
         enforce_eager=not (graphs and on_cuda),
         page_size=16,
         kv_cache_dtype=kv_cache_dtype,
+        max_draft_tokens=8,
     )
     if graphs and not on_cuda:
         llm.runner.graphs = StepGraphs(llm.runner, use_graphs=False)
@@ -229,10 +231,9 @@ def test_graph_verify_records_and_rollback_equal_eager(device):
 
 
 def test_verify_steps_beyond_the_scratch_run_eagerly():
-    """A verify bucket whose scratch would not fit `verify_scratch_bytes` gets no graph; decodes still do."""
+    """A verify bucket whose tokens would not fit `verify_tokens` gets no graph; decodes still do."""
     llm = LLM(_model("cpu"), max_num_seqs=8, max_model_len=64, page_size=16)
-    per_token = llm.cache.verify_scratch_bytes_per_token()
-    graphs = StepGraphs(llm.runner, max_draft_tokens=3, use_graphs=False, verify_scratch_bytes=2 * 4 * per_token)
+    graphs = StepGraphs(llm.runner, max_draft_tokens=3, use_graphs=False, verify_tokens=2 * 4 + 3)
     assert graphs.max_verify_seqs == 2
     a, b, c = _prefilled(llm, _prompts(3))
     verify = Phase.VERIFY

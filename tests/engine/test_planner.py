@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from kimi_helix.cli import main
-from kimi_helix.engine.planner import KV_CACHE_DTYPES, parse_bytes, plan_memory
+from kimi_helix.engine.planner import (
+    KV_CACHE_DTYPES,
+    VERIFY_GRAPH_MAX_TOKENS,
+    cache_bytes_per_token,
+    kda_state_bytes_per_rank,
+    parse_bytes,
+    plan_memory,
+    verify_graph_tokens,
+    verify_scratch_bytes_per_token,
+)
 from kimi_helix.modeling.accounting import count_parameters
 from kimi_helix.presets import PRESETS, get_preset
 
@@ -118,6 +127,86 @@ def test_state_for_max_num_seqs_can_leave_no_token_room(k48):
     plan = plan_memory(k48, PARAMS * 2 + ACTIVATIONS + 10 * KDA_STATE, gpu_memory_utilization=1.0)
     assert plan.max_concurrent_tokens == plan.num_pages_per_rank == 0
     assert plan.max_concurrent_sequences == 0  # and no 1M-token sequence fits either
+
+
+# A verify token's KDA scratch: the state after it plus its conv input per layer (20 x 3 x 4096 x bf16).
+VERIFY_TOKEN = KDA_STATE + 20 * 3 * 4096 * 2  # 43,909,120
+
+
+def test_verify_scratch_is_priced_only_for_verify_graphs(k48):
+    """A plan without drafts (an eager engine, or one without speculative decoding) keeps every byte for the
+    cache; with drafts, batch x (1 + k) tokens of verify scratch come out of it, capped by the step's budget."""
+    plain = plan_memory(k48, "141GB")
+    assert plain.max_draft_tokens == plain.verify_scratch_bytes == 0
+    assert verify_scratch_bytes_per_token(k48, 1, 2) == VERIFY_TOKEN == 43_909_120
+    spec = plan_memory(k48, "141GB", max_num_seqs=64, max_draft_tokens=4)
+    assert spec.verify_scratch_bytes == 64 * 5 * VERIFY_TOKEN  # batch 64 at k = 4 is graphed: 14 GB
+    base = plan_memory(k48, "141GB", max_num_seqs=64)
+    assert spec.free_bytes_for_cache == base.free_bytes_for_cache - spec.verify_scratch_bytes
+    assert spec.num_pages_per_rank < base.num_pages_per_rank
+    # 256 sequences x 9 tokens: the step budget (2048) and then the cap bound the scratch
+    assert plan_memory(k48, "141GB", max_draft_tokens=8).verify_scratch_bytes == 512 * VERIFY_TOKEN
+    half = plan_memory(k48, "141GB", max_draft_tokens=8, max_num_batched_tokens=256, tp=2)
+    assert half.verify_scratch_bytes == 256 * verify_scratch_bytes_per_token(k48, 2, 2) == 256 * VERIFY_TOKEN // 2
+    with pytest.raises(ValueError, match="max_draft_tokens must"):
+        plan_memory(k48, GPU, max_draft_tokens=-1)
+    with pytest.raises(ValueError, match=r"verify scratch \(.*max_draft_tokens=8\)"):
+        plan_memory(k48, PARAMS * 2 + ACTIVATIONS + 10**6, gpu_memory_utilization=1.0, max_draft_tokens=8)
+
+
+def test_the_engine_sets_verify_scratch_aside_only_for_verify_graphs(monkeypatch):
+    """`LLM._default_num_pages` takes the planner's verify scratch out of free memory only when verify steps are
+    graphed (draft_tokens > 0, which `LLM.__init__` passes only with graphs on and speculative decoding or
+    `max_draft_tokens` configured): a plain engine keeps every page."""
+    from kimi_helix import KimiK3Config, KimiK3ForCausalLM
+    from kimi_helix.engine import LLM
+
+    from ..modeling.conftest import tiny_kwargs
+
+    config = KimiK3Config(**tiny_kwargs())
+    llm = LLM(KimiK3ForCausalLM(config).eval(), max_num_seqs=4, max_model_len=32, page_size=16)
+    llm.max_model_len = 4096  # 256 pages a sequence, 1024 wanted for 4: the free memory bounds the pages
+    itemsize = llm.model.dtype.itemsize
+    page = 16 * cache_bytes_per_token(config, itemsize)
+    state = 4 * kda_state_bytes_per_rank(config, 1, itemsize)
+    scratch = verify_graph_tokens(4, 2048, 4) * verify_scratch_bytes_per_token(config, 1, itemsize)
+    free = state + scratch + 600 * page
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    llm.device = torch.device("cuda")  # only the free-memory branch runs; nothing is allocated
+    plain = llm._default_num_pages(16, 4, "auto", 1.0, 2048, 0)
+    graphed = llm._default_num_pages(16, 4, "auto", 1.0, 2048, 4)
+    assert graphed == 600 and plain == (scratch + 600 * page) // page > graphed
+
+
+def test_graph_draft_tokens_resolution():
+    """None follows the speculative config's k (clipped to a graph's 8 and to a page); an explicit value wins;
+    without either there are no verify graphs."""
+    from kimi_helix import KimiK3Config, KimiK3ForCausalLM
+    from kimi_helix.engine import LLM
+    from kimi_helix.engine.arguments import graph_draft_tokens
+
+    from ..modeling.conftest import tiny_kwargs
+
+    assert graph_draft_tokens(None, None, 64) == 0
+    assert graph_draft_tokens(None, 5, 64) == 5
+    assert graph_draft_tokens(None, 12, 64) == 8 and graph_draft_tokens(None, 5, 4) == 3
+    assert graph_draft_tokens(4, None, 64) == 4 and graph_draft_tokens(0, 5, 64) == 0
+    for bad in (-1, 9, 2.0, True):
+        with pytest.raises(ValueError, match="max_draft_tokens must"):
+            graph_draft_tokens(bad, None, 64)
+    with pytest.raises(ValueError, match="within a page of 4"):
+        graph_draft_tokens(4, None, 4)
+    with pytest.raises(ValueError, match="max_draft_tokens must"):  # LLM checks it on every device
+        LLM(KimiK3ForCausalLM(KimiK3Config(**tiny_kwargs())), device="cpu", max_draft_tokens=9)
+
+
+def test_verify_graph_tokens():
+    assert verify_graph_tokens(64, 2048, 0) == 0
+    assert verify_graph_tokens(64, 2048, 4) == 320
+    assert verify_graph_tokens(8, 2048, 8) == 72
+    assert verify_graph_tokens(256, 2048, 4) == VERIFY_GRAPH_MAX_TOKENS == 512
+    assert verify_graph_tokens(64, 100, 4) == 100
+    assert verify_graph_tokens(64, 2048, 4, cap=64) == 64
 
 
 @pytest.mark.parametrize(
