@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kimi_helix, in the workers too
 
 CASES = [(128, 16, 1, 8192), (1, 16, 1, 8192)]  # (b, h, s_q, mean s_k), an fp8 cache, bf16 q
 # lookahead, dequant warpgroups, their registers, min_waves; the committed one first. Each compiles for sm_90
