@@ -17,6 +17,7 @@ call (same outputs, same combine kernel).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -425,9 +426,21 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
     )
 
 
-# Registers a thread of the fp8 kernel's dequant warpgroup (`decode_fp8_wgmma`): two raw tiles in flight and the
-# conversion fit, and with the MMA warpgroup's 256 the CTA stays within the SM's 64K.
-FP8_WGMMA_DEQUANT_REGS = 232
+class Fp8WgmmaParams(NamedTuple):
+    """The dequant side of the fp8 Gluon kernel (`decode_fp8_wgmma`): raw tiles whose loads are in flight
+    (lookahead: 1, the next tile's, copied between registers each tile; 2 or 3, each tile in registers of its
+    own), dequant warpgroups (1, or 2 that each take half of every tile's keys; 2 needs lookahead >= 2) and the
+    registers a thread of each (the MMA warpgroup gets the rest of the SM's 64K)."""
+
+    lookahead: int = 1
+    dequant_warpgroups: int = 1
+    dequant_regs: int = 232
+
+
+# Registers a thread of the fp8 kernel's dequant warpgroup: two raw tiles in flight and the conversion fit, and
+# with the MMA warpgroup's 256 the CTA stays within the SM's 64K.
+FP8_WGMMA = Fp8WgmmaParams(lookahead=1, dequant_warpgroups=1, dequant_regs=232)
+FP8_WGMMA_DEQUANT_REGS = FP8_WGMMA.dequant_regs
 
 
 def _fp8_wgmma_ok(q, kv_cache, kv_lora_rank: int, cfg: dict, sched: Schedule) -> bool:
@@ -566,7 +579,8 @@ def mla_decode_triton(
             block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank, BLOCK_H=cfg["BLOCK_H"],
             BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1), USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1,
             LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=2,
-            DEQUANT_REGS=FP8_WGMMA_DEQUANT_REGS, num_warps=4,  # the MMA warpgroup; the kernel adds the dequant one
+            DEQUANT_REGS=FP8_WGMMA.dequant_regs, LOOKAHEAD=FP8_WGMMA.lookahead,
+            DEQUANT_WGS=FP8_WGMMA.dequant_warpgroups, num_warps=4,  # the MMA warpgroup; the kernel adds the others
         )  # fmt: skip
     elif use_wgmma:
         kv_c_desc, kv_pe_desc = decode_wgmma.wgmma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"])

@@ -5,7 +5,11 @@ At 16 or 32 rows the Triton kernel (`decode.mla_decode_fwd_kernel` with `decode_
 latency, not bandwidth: each warp converts its e4m3 tiles to fp16 and then runs [rows, 512] dots that wait on the
 conversion, and a 16-row dot cannot use a 64-row warpgroup MMA. This kernel splits the work by role instead:
 - a dequant warpgroup (the worker partition) loads each tile's e4m3 rows and key scales by gathered 16-byte loads
-  one tile ahead, converts them to fp16 (exact) and writes them to one of NUM_STAGES shared buffers;
+  LOOKAHEAD tiles ahead, converts them to fp16 (exact) and writes them to one of NUM_STAGES shared buffers (or two
+  dequant warpgroups, DEQUANT_WGS, each taking half of every tile's keys). LOOKAHEAD 1 copies the next tile's
+  registers into the current one's every tile, and that copy waits for the load: each tile then pays the load's
+  full latency. LOOKAHEAD 2 unrolls the loop so that each tile in flight keeps registers of its own
+  (`_dequant_rotating`); `decode.FP8_WGMMA` picks, scripts/tune_mla_fp8_wgmma.py times the choices;
 - the MMA warpgroup (the default partition) computes the scores swapped, S^T = C Q^T, with the tile's 64 keys as
   the MMA's M dimension and the 16 or 32 query rows as its N (which wgmma allows down to 8), then the softmax, and
   O^T += C^T P^T likewise, so that no 64-row MMA is spent on 16 rows.
@@ -80,6 +84,24 @@ def _store_fp16(words, smem):
 
 
 @gluon.jit
+def _store_fp16_rows(words, smem, ROW0: gl.constexpr):
+    """`_store_fp16` into rows [ROW0, ROW0 + R) of smem [BLOCK_N, 4 W] (R = words' rows; ROW0 a multiple of 8,
+    the swizzle's period): the int32 view of the whole buffer, sliced."""
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+        "=r,=r,r", [words], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)  # fmt: skip
+    R: gl.constexpr = words.shape[0]
+    W: gl.constexpr = words.shape[1]
+    N: gl.constexpr = smem.shape[0]
+    halves = gl.reshape(gl.join(lo, hi), [R, 2 * W])
+    view = _int32_view(smem, [N, 2 * W], gl.NVMMASharedLayout(smem.layout.swizzle_byte_width, 32, rank=2))
+    if R == N:
+        view.store(halves)
+    else:
+        view.slice(ROW0, R, dim=0).store(halves)
+
+
+@gluon.jit
 def _tile_rows(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
                BLOCK_N: gl.constexpr, key_layout: gl.constexpr):  # fmt: skip
     """The tile's keys [tile_lo, tile_lo + BLOCK_N) by a page lookup per key (a tile may span several small pages):
@@ -147,6 +169,105 @@ def _dequant_partition(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, strid
         _cta_barrier()
         mbarrier.arrive(kv_ready.index(stage), count=1)
         c, pe, ks = c_next, pe_next, ks_next
+
+
+@gluon.jit
+def _fetch(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
+           TILE_N: gl.constexpr, ROWS: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, c_layout: gl.constexpr,
+           pe_layout: gl.constexpr, ks_layout: gl.constexpr):  # fmt: skip
+    """The raw rows [tile_lo + key0, + ROWS) of the TILE_N-key tile at tile_lo, as `_load_tile` returns them. Where
+    pages hold whole tiles (PAGE_SIZE a multiple of TILE_N; tiles start at multiples of TILE_N) the tile's page is
+    one scalar load shared by the three parts, else each part looks its keys' pages up one by one."""
+    if PAGE_SIZE % TILE_N == 0:
+        page = gl.load(pages_ptr + tile_lo // PAGE_SIZE, mask=tile_lo < hi, other=0).to(gl.int64)
+        row0 = kv_ptr + page * stride_kvp
+        n = tile_lo + key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, c_layout))
+        c = _load_cols(row0 + (n % PAGE_SIZE) * stride_kvs, n < hi, 0, DC, c_layout)
+        n = tile_lo + key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, pe_layout))
+        pe = _load_cols(row0 + (n % PAGE_SIZE) * stride_kvs, n < hi, DC, DR, pe_layout)
+        n = tile_lo + key0 + gl.arange(0, ROWS, layout=ks_layout)
+        ks = gl.load(kv_scale_ptr + page * PAGE_SIZE + n % PAGE_SIZE, mask=n < hi, other=0.0)
+    else:
+        c, pe, ks = _load_tile(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo + key0, hi, stride_kvp, stride_kvs, PAGE_SIZE,
+                               ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    return c, pe, ks
+
+
+@gluon.jit
+def _fill(
+    c, pe, ks, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, KEY0: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """Convert the raw rows of tile t (if it is one of the split's) into their rows of t's fp16 buffer once the
+    MMA warpgroup has freed it, and signal the buffer's barrier (one arrival per dequant warpgroup)."""
+    if t < num_tiles:
+        stage = t % NUM_STAGES
+        mbarrier.wait(kv_free.index(stage), ((t - NUM_STAGES) // NUM_STAGES) & 1, pred=t >= NUM_STAGES)
+        _store_fp16_rows(c, c_smem.index(stage), KEY0)
+        _store_fp16_rows(pe, pe_smem.index(stage), KEY0)
+        if ks.shape[0] == ks_smem.shape[1]:
+            ks_smem.index(stage).store(ks)
+        else:
+            ks_smem.index(stage).slice(KEY0, ks.shape[0]).store(ks)
+        # Written by ordinary stores, read by the tensor cores: fenced in every writing thread before the barrier.
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(kv_ready.index(stage), count=1)
+
+
+@gluon.jit
+def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PART: gl.constexpr,
+                      PARTS: gl.constexpr):  # fmt: skip
+    """`_dequant_partition` with LOOKAHEAD (2 or 3) tiles' loads in flight, for this warpgroup's BLOCK_N / PARTS
+    keys of each tile (the PART-th share). The tile loop is unrolled LOOKAHEAD times so that each raw tile keeps
+    its own registers: a tile's registers are reloaded (with the tile LOOKAHEAD further on) only once converted,
+    so no load result is copied between registers, which would wait for the load (one tile ahead, a copy of the
+    next tile into the current one's registers stalls every tile on the load's full latency)."""
+    DC: gl.constexpr = c_smem.shape[2]
+    DR: gl.constexpr = pe_smem.shape[2]
+    ROWS: gl.constexpr = BLOCK_N // PARTS
+    key0: gl.constexpr = PART * ROWS
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 16 // DC, DC // 16], [4, 1], [1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 16 // DR, DR // 16], [4, 1], [1, 0])
+    ks_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N,
+                          ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + BLOCK_N, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE,
+                          BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    if LOOKAHEAD == 3:
+        c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + 2 * BLOCK_N, key0, hi, stride_kvp, stride_kvs,
+                              PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    for t in range(0, num_tiles, LOOKAHEAD):
+        _fill(c0, pe0, ks0, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
+        c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + LOOKAHEAD) * BLOCK_N, key0, hi, stride_kvp,
+                              stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
+                              ks_layout)  # fmt: skip
+        _fill(c1, pe1, ks1, t + 1, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
+        c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD) * BLOCK_N, key0, hi,
+                              stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
+                              ks_layout)  # fmt: skip
+        if LOOKAHEAD == 3:
+            _fill(c2, pe2, ks2, t + 2, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
+            c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 2 + LOOKAHEAD) * BLOCK_N, key0, hi,
+                                  stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
+                                  ks_layout)  # fmt: skip
+
+
+@gluon.jit
+def _dequant_part0(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
+                   ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+    _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 0, PARTS)  # fmt: skip
+
+
+@gluon.jit
+def _dequant_part1(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
+                   ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+    _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 1, PARTS)  # fmt: skip
 
 
 @gluon.jit
@@ -270,11 +391,17 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                 PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
                                 BLOCK_Q: gl.constexpr, SEQS_POW2: gl.constexpr, USE_KV_BOUNDS: gl.constexpr,
                                 SPLIT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
-                                NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr):  # fmt: skip
+                                NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr, LOOKAHEAD: gl.constexpr = 1,
+                                DEQUANT_WGS: gl.constexpr = 1):  # fmt: skip
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     gl.static_assert(gl.num_warps() == 4, "the parent and the MMA partition are one warpgroup")
     gl.static_assert((BLOCK_M == 16) | (BLOCK_M == 32), "16 or 32 rows: the N of the swapped MMAs")
     gl.static_assert(BLOCK_N == 64, "the keys are the M of one warpgroup MMA")
+    gl.static_assert((LOOKAHEAD >= 1) & (LOOKAHEAD <= 3), "1 to 3 raw tiles in flight")
+    gl.static_assert(
+        (DEQUANT_WGS == 1) | ((DEQUANT_WGS == 2) & (LOOKAHEAD > 1)),
+        "one dequant warpgroup, or two that rotate their tiles",
+    )
     # S^T [keys, rows], O^T [DC, rows] and the per-key sums share one layout, so row vectors need no conversion.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -308,19 +435,36 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
-        mbarrier.init(kv_ready.index(st), count=1)
+        mbarrier.init(kv_ready.index(st), count=DEQUANT_WGS)
         mbarrier.init(kv_free.index(st), count=1)
     fence_async_shared()
     _cta_barrier()
 
-    gl.warp_specialize(
-        [
-            (_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
-                              row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
-            (_dequant_partition, (kv_ptr, kv_scale_ptr, block_table_ptr + seq * stride_bt, lo, hi, num_tiles,
-                                  stride_kvp, stride_kvs, c_smem, pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE,
-                                  BLOCK_N, NUM_STAGES)),
-        ],
-        [4],
-        [DEQUANT_REGS],
-    )  # fmt: skip
+    # (Written out per branch: a tuple holding layouts or functions cannot be bound to a name here.)
+    pages_ptr = block_table_ptr + seq * stride_bt
+    if LOOKAHEAD == 1:
+        gl.warp_specialize(
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
+             (_dequant_partition, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
+                                   pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES))],
+            [4], [DEQUANT_REGS])  # fmt: skip
+    elif DEQUANT_WGS == 1:
+        gl.warp_specialize(
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
+             (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
+                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
+                               DEQUANT_WGS))],
+            [4], [DEQUANT_REGS])  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
+             (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
+                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
+                               DEQUANT_WGS)),
+             (_dequant_part1, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
+                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
+                               DEQUANT_WGS))],
+            [4, 4], [DEQUANT_REGS, DEQUANT_REGS])  # fmt: skip

@@ -212,6 +212,24 @@ def test_gpu_fp8_wgmma_kernel(nan_empty, monkeypatch, H, s_q, page_size, bounds,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("params", [(2, 1, 232), (2, 2, 128)])
+@pytest.mark.parametrize(
+    "H, s_q, page_size, bounds, dims, q_dtype",
+    [
+        (16, 1, 64, False, (512, 64), torch.bfloat16),
+        (4, 4, 64, True, (512, 64), torch.bfloat16),
+        (16, 2, 16, True, (512, 64), torch.float16),  # pages smaller than a tile: keys looked up one by one
+        (8, 2, 32, False, (128, 32), torch.bfloat16),
+    ],
+)
+def test_gpu_fp8_wgmma_dequant_variants(nan_empty, monkeypatch, params, H, s_q, page_size, bounds, dims, q_dtype):
+    """`test_gpu_fp8_wgmma_kernel` at the dequant sides scripts/tune_mla_fp8_wgmma.py times besides the committed
+    one (`decode.Fp8WgmmaParams`: two raw tiles in flight, in one dequant warpgroup or two)."""
+    monkeypatch.setattr(decode, "FP8_WGMMA", decode.Fp8WgmmaParams(*params))
+    test_gpu_fp8_wgmma_kernel(nan_empty, monkeypatch, H, s_q, page_size, bounds, dims, q_dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("H", [16, 32])
 def test_gpu_fp8_wgmma_queries_beyond_fp16(nan_empty, monkeypatch, H):
     """The Gluon fp8 kernel scales q per row into fp16's range as the Triton one does: bf16 queries far beyond
