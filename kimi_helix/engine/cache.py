@@ -374,30 +374,32 @@ class CacheView:
         self._scratch_used[layer_idx] = (0, 0)
         return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self.state_indices
 
-    def verify_scratch(self, layer_idx: int, num_tokens: int) -> torch.Tensor | None:
-        """[num_tokens, H, K, V] fp32: the rows of the layer's static scratch where the next run's per-token states
-        go (`fused_recurrent_kda(..., intermediate_states=...)`), or None when the cache has no scratch or it is
-        full (the kernel allocates its own then)."""
+    def verify_scratch(self, layer_idx: int, num_tokens: int, num_seqs: int = 0) -> VerifyScratch | None:
+        """The rows of the layer's static scratch where the next run's records go: states [num_tokens, H, K, V]
+        fp32 (`fused_recurrent_kda(..., intermediate_states=...)`), conv inputs [num_tokens, 3P] and the conv
+        states before it [num_seqs, W-1, 3P]; the layer writes them there itself (`record_verify` then copies
+        nothing). None when the cache has no scratch or it is full (the kernel allocates its own then)."""
         scratch = self.cache.verify_scratch.get(layer_idx)
-        used = self._scratch_used.get(layer_idx, (0, 0))[0]
-        if scratch is None or used + num_tokens > scratch.states.shape[0]:
+        used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
+        if scratch is None or used_t + num_tokens > scratch.states.shape[0]:
             return None
-        return scratch.states[used : used + num_tokens]
+        rows, seqs = slice(used_t, used_t + num_tokens), slice(used_n, used_n + num_seqs)
+        return VerifyScratch(scratch.states[rows], scratch.inputs[rows], scratch.conv_before[seqs])
 
     def record_verify(self, layer_idx: int, run, conv_before, inputs, states) -> None:
         """Called by a KDA layer for a run holding verify groups: conv_before [N, W-1, 3P] of the run's sequences,
         inputs [t, 3P] and states [t, H, K, V] in the run's packed token order. They are copied into the layer's
-        static scratch when it has room (device copies, captured by a graph; `states` already written there by
-        the kernel is not copied), so the records `commit` builds hold after a graph replay too."""
+        static scratch when it has room (device copies, captured by a graph; what the layer or its kernel already
+        wrote there, `verify_scratch`, is not copied), so the records `commit` builds hold after a graph replay too."""
         scratch = self.cache.verify_scratch.get(layer_idx)
         t, n = states.shape[0], conv_before.shape[0]
         used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
         if scratch is not None and used_t + t <= scratch.states.shape[0]:  # n <= t: the sequences fit too
             rows, seqs = slice(used_t, used_t + t), slice(used_n, used_n + n)
-            for src, dst in ((states, scratch.states[rows]), (inputs, scratch.inputs[rows])):
-                if src.data_ptr() != dst.data_ptr():
+            pairs = ((states, scratch.states[rows]), (inputs, scratch.inputs[rows]))
+            for src, dst in (*pairs, (conv_before, scratch.conv_before[seqs])):
+                if src.data_ptr() != dst.data_ptr():  # not written there by the layer already
                     dst.copy_(src)
-            scratch.conv_before[seqs].copy_(conv_before)
             conv_before, inputs, states = scratch.conv_before[seqs], scratch.inputs[rows], scratch.states[rows]
             self._scratch_used[layer_idx] = (used_t + t, used_n + n)
             at = (used_t, used_n)
