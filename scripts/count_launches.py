@@ -12,7 +12,7 @@ sampling, rollback, the rest) it counts:
   GPU's, one launch per fused kernel, not its torch reference's ops;
 - syncs: on the GPU, the syncs torch's sync debug mode reports; on the CPU, the host reads a GPU would sync on
   (`.item()`, `.tolist()`, `nonzero`, `repeat_interleave` without `output_size`, ...), with their call sites.
-  On the CPU a `.tolist()` of a tensor that lives on the host on the GPU too is counted as well: read the sites.
+  The offsets `ForwardBatch` keeps on the host are not counted; other host tensors' reads would be: read the sites.
 
 The counts are per prompt for the prefill and per round (verify step, or decode step for plain) for the rest.
 """
@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 import warnings
+import weakref
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -137,14 +138,28 @@ def counting(device: torch.device):
     except ImportError:
         pass
     if device.type == "cpu":  # tolist reads a CPU tensor's memory without dispatching an op
+        from kimi_helix.modeling.batch import ForwardBatch
+
+        host = {}  # id -> weakref of the tensors that stay on the host on a GPU too (not syncs)
+
+        def host_tensor(old):
+            def wrapped(self, *args):
+                t = old(self, *args)
+                host[id(t)] = weakref.ref(t)
+                return t
+
+            return wrapped
 
         def tolist(old):
             def wrapped(self):
-                counts.sync("tolist")
+                ref = host.get(id(self))
+                if ref is None or ref() is not self:
+                    counts.sync("tolist")
                 return old(self)
 
             return wrapped
 
+        patch(ForwardBatch, "_prefix_sums", host_tensor)
         patch(torch.Tensor, "tolist", tolist)
     else:
         torch.cuda.set_sync_debug_mode("warn")

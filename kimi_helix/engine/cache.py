@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kernels.launch import cdiv
@@ -332,6 +333,7 @@ class CacheView:
         self._batch: ForwardBatch | None = None
         self._verify_runs: dict[int, list[_VerifyRun]] = {}  # per KDA layer, this pass's runs with verify groups
         self._scratch_used: dict[int, tuple[int, int]] = {}  # per KDA layer: (tokens, sequences) of scratch used
+        self._context = None  # (the prefill run's batch, its `prefill_context`) of the last pass
 
     def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # Built once per pass and shared by the layers; a view may serve several passes (as the tests do). The pass's
@@ -365,7 +367,28 @@ class CacheView:
             slot_mapping=slot_mapping,
             backend=self.backend,
             attend=self.cache.mla_attend,
+            context=self.prefill_context,
         )
+
+    def prefill_context(self, run) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a prefill `run` (`PhaseRun`) of this view's pass: (slots [sum totals] int32, the flat slot of every
+        token of its sequences, cached and new; cu_totals [n+1] int32), on the device. Built on the host from the
+        ledger's page lists and moved in one copy, once per run: every MLA layer of the pass shares them (no
+        device-side index arithmetic, no read-back)."""
+        if self._context is not None and self._context[0] is run.batch:
+            return self._context[1]
+        ledger, ps = self.cache.ledger, self.cache.ledger.page_size
+        seq_ids = self.seq_ids[run.seqs]
+        slots = [
+            ledger.seqs[s].row.numpy()[np.arange(total) // ps] * ps + np.arange(total) % ps
+            for s, total in zip(seq_ids, run.batch.total_lens())
+        ]
+        host = torch.from_numpy(np.concatenate([*slots, run.batch.host_cu_totals.numpy()]).astype(np.int32))
+        device = self.state_indices.device
+        dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        n = host.shape[0] - run.batch.num_seqs - 1
+        self._context = (run.batch, (dev[:n], dev[n:]))
+        return self._context[1]
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
         """The layer's state pools and the batch's slots in them: the kernels update the pools in place. Starts

@@ -79,7 +79,7 @@ def host_bounds(cu_seqlens_q, cu_seqlens_k, host_offsets=None) -> tuple[list[int
     """The query and key offsets as Python ints: `host_offsets` (the host's copies, no device read) when given."""
     if host_offsets is None:
         return cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    return [int(x) for x in host_offsets[0]], [int(x) for x in host_offsets[1]]
+    return [x.tolist() if isinstance(x, torch.Tensor) else [int(i) for i in x] for x in host_offsets]
 
 
 def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, host_offsets=None):

@@ -288,7 +288,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config, host_cu_
     if host_cu_q is None:
         block_seq, block_idx = _block_map(cu_seqlens_q, total_q, block_m)
     else:
-        block_seq, block_idx = _host_block_map(tuple(int(x) for x in host_cu_q), block_m, q.device)
+        block_seq, block_idx = _host_block_map(tuple(host_cu_q), block_m, q.device)
     if block_seq.numel() == 0:
         return out, lse
     mla_prefill_fwd_kernel[(block_seq.numel(), H)](
@@ -327,5 +327,5 @@ def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, host_offsets=
     # The kernel assumes unit stride along the head dim (vector loads); token/head strides are free.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     config = tile_config(q.dtype, q.shape[2], v.shape[2])
-    host_cu_q = None if host_offsets is None else host_offsets[0]
+    host_cu_q = None if host_offsets is None else host_bounds(cu_seqlens_q, cu_seqlens_k, host_offsets)[0]
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config, host_cu_q)

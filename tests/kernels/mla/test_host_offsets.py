@@ -22,7 +22,7 @@ needs_triton = pytest.mark.skipif(
 
 
 def _host(cu: torch.Tensor) -> torch.Tensor:
-    return cu.cpu()
+    return cu.cpu().clone()  # its own memory, also on the CPU
 
 
 @needs_triton
