@@ -159,7 +159,8 @@ def counting(device: torch.device):
 
             return wrapped
 
-        patch(ForwardBatch, "_prefix_sums", host_tensor)
+        if hasattr(ForwardBatch, "_prefix_sums"):  # (absent before the host offsets: counts an older tree too)
+            patch(ForwardBatch, "_prefix_sums", host_tensor)
         patch(torch.Tensor, "tolist", tolist)
     else:
         torch.cuda.set_sync_debug_mode("warn")
