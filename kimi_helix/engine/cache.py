@@ -287,7 +287,10 @@ class PagedCache:
         """Every KDA layer's state of `slot` after the first `kept` tokens of the group at scratch `row` (conv
         state before it at scratch sequence row `seq`): two copies over the stacked layers."""
         stack, width = self._scratch_stack, self.conv_pools.shape[2]
-        window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
+        if kept >= width:  # the window lies within the group's inputs: no concatenation
+            window = stack.inputs[:, row + kept - width : row + kept]
+        else:
+            window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
         self.conv_pools[:, slot].copy_(window)
         self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
 
