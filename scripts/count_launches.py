@@ -28,7 +28,8 @@ from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-if "--device" not in sys.argv or "cpu" in sys.argv:  # before Triton's decorators and the backend choice run
+# before Triton's decorators and the backend choice run (the backend variables are read when the model is built)
+if "--device" not in sys.argv or "cpu" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("KIMI_HELIX_KERNEL_BACKEND", "triton")
     os.environ.setdefault("KIMI_HELIX_ATTENTION_BACKEND", "triton")
