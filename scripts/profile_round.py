@@ -2,6 +2,7 @@
 
     python scripts/profile_round.py                      # plain and dspark k=5 on the demo model, batch 1
     python scripts/profile_round.py --methods plain ngram dspark --k 3
+    python scripts/profile_round.py --count --device cpu  # launches and syncs per phase (scripts/count_launches.py)
 
 For each method it builds the engine as `bench_spec.py` does, warms up, then times one prompt's `generate`
 twice: first with wall-clock wrappers around the engine's phases (propose, schedule, runner, observe, verify,
@@ -149,7 +150,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--count", action="store_true", help="count launches and syncs per phase instead (eager)")
     args = p.parse_args(argv)
+    if args.count:
+        import count_launches
+
+        sizes = ["--k", str(args.k), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
+        return count_launches.main(["--methods", *args.methods, *sizes, "--device", args.device])
     args.num_prompts, args.seed, args.prompts = 1, 0, None
     model_dir = demo_model_dir()
     drafter = default_drafter_dir(model_dir)

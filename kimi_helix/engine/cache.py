@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..kernels.launch import cdiv
@@ -281,7 +282,10 @@ class PagedCache:
         """Every KDA layer's state of `slot` after the first `kept` tokens of the group at scratch `row` (conv
         state before it at scratch sequence row `seq`): two copies over the stacked layers."""
         stack, width = self._scratch_stack, self.conv_pools.shape[2]
-        window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
+        if kept >= width:  # the window lies within the group's inputs: no concatenation
+            window = stack.inputs[:, row + kept - width : row + kept]
+        else:
+            window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
         self.conv_pools[:, slot].copy_(window)
         self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
 
@@ -327,6 +331,7 @@ class CacheView:
         self._batch: ForwardBatch | None = None
         self._verify_runs: dict[int, list[_VerifyRun]] = {}  # per KDA layer, this pass's runs with verify groups
         self._scratch_used: dict[int, tuple[int, int]] = {}  # per KDA layer: (tokens, sequences) of scratch used
+        self._context = None  # (the prefill run's batch, its `prefill_context`) of the last pass
 
     def _addressing(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # Built once per pass and shared by the layers; a view may serve several passes (as the tests do). The pass's
@@ -360,7 +365,28 @@ class CacheView:
             slot_mapping=slot_mapping,
             backend=self.backend,
             attend=self.cache.mla_attend,
+            context=self.prefill_context,
         )
+
+    def prefill_context(self, run) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a prefill `run` (`PhaseRun`) of this view's pass: (slots [sum totals] int32, the flat slot of every
+        token of its sequences, cached and new; cu_totals [n+1] int32), on the device. Built on the host from the
+        ledger's page lists and moved in one copy, once per run: every MLA layer of the pass shares them (no
+        device-side index arithmetic, no read-back)."""
+        if self._context is not None and self._context[0] is run.batch:
+            return self._context[1]
+        ledger, ps = self.cache.ledger, self.cache.ledger.page_size
+        seq_ids = self.seq_ids[run.seqs]
+        slots = [
+            ledger.seqs[s].row.numpy()[np.arange(total) // ps] * ps + np.arange(total) % ps
+            for s, total in zip(seq_ids, run.batch.total_lens())
+        ]
+        host = torch.from_numpy(np.concatenate([*slots, run.batch.host_cu_totals.numpy()]).astype(np.int32))
+        device = self.state_indices.device
+        dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        n = host.shape[0] - run.batch.num_seqs - 1
+        self._context = (run.batch, (dev[:n], dev[n:]))
+        return self._context[1]
 
     def kda_state(self, layer_idx: int, batch: ForwardBatch, like: torch.Tensor):
         """The layer's state pools and the batch's slots in them: the kernels update the pools in place. Starts
@@ -369,30 +395,32 @@ class CacheView:
         self._scratch_used[layer_idx] = (0, 0)
         return self.cache.conv[layer_idx], self.cache.recurrent[layer_idx], self.state_indices
 
-    def verify_scratch(self, layer_idx: int, num_tokens: int) -> torch.Tensor | None:
-        """[num_tokens, H, K, V] fp32: the rows of the layer's static scratch where the next run's per-token states
-        go (`fused_recurrent_kda(..., intermediate_states=...)`), or None when the cache has no scratch or it is
-        full (the kernel allocates its own then)."""
+    def verify_scratch(self, layer_idx: int, num_tokens: int, num_seqs: int = 0) -> VerifyScratch | None:
+        """The rows of the layer's static scratch where the next run's records go: states [num_tokens, H, K, V]
+        fp32 (`fused_recurrent_kda(..., intermediate_states=...)`), conv inputs [num_tokens, 3P] and the conv
+        states before it [num_seqs, W-1, 3P]; the layer writes them there itself (`record_verify` then copies
+        nothing). None when the cache has no scratch or it is full (the kernel allocates its own then)."""
         scratch = self.cache.verify_scratch.get(layer_idx)
-        used = self._scratch_used.get(layer_idx, (0, 0))[0]
-        if scratch is None or used + num_tokens > scratch.states.shape[0]:
+        used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
+        if scratch is None or used_t + num_tokens > scratch.states.shape[0]:
             return None
-        return scratch.states[used : used + num_tokens]
+        rows, seqs = slice(used_t, used_t + num_tokens), slice(used_n, used_n + num_seqs)
+        return VerifyScratch(scratch.states[rows], scratch.inputs[rows], scratch.conv_before[seqs])
 
     def record_verify(self, layer_idx: int, run, conv_before, inputs, states) -> None:
         """Called by a KDA layer for a run holding verify groups: conv_before [N, W-1, 3P] of the run's sequences,
         inputs [t, 3P] and states [t, H, K, V] in the run's packed token order. They are copied into the layer's
-        static scratch when it has room (device copies, captured by a graph; `states` already written there by
-        the kernel is not copied), so the records `commit` builds hold after a graph replay too."""
+        static scratch when it has room (device copies, captured by a graph; what the layer or its kernel already
+        wrote there, `verify_scratch`, is not copied), so the records `commit` builds hold after a graph replay too."""
         scratch = self.cache.verify_scratch.get(layer_idx)
         t, n = states.shape[0], conv_before.shape[0]
         used_t, used_n = self._scratch_used.get(layer_idx, (0, 0))
         if scratch is not None and used_t + t <= scratch.states.shape[0]:  # n <= t: the sequences fit too
             rows, seqs = slice(used_t, used_t + t), slice(used_n, used_n + n)
-            for src, dst in ((states, scratch.states[rows]), (inputs, scratch.inputs[rows])):
-                if src.data_ptr() != dst.data_ptr():
+            pairs = ((states, scratch.states[rows]), (inputs, scratch.inputs[rows]))
+            for src, dst in (*pairs, (conv_before, scratch.conv_before[seqs])):
+                if src.data_ptr() != dst.data_ptr():  # not written there by the layer already
                     dst.copy_(src)
-            scratch.conv_before[seqs].copy_(conv_before)
             conv_before, inputs, states = scratch.conv_before[seqs], scratch.inputs[rows], scratch.states[rows]
             self._scratch_used[layer_idx] = (used_t + t, used_n + n)
             at = (used_t, used_n)

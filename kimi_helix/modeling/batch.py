@@ -12,6 +12,7 @@ send the decode and verify sequences to the decode kernels and only the prefill 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,9 @@ class ForwardBatch:
         cu_seqlens: [N+1] int32, prefix sums of `seq_lens`, on the device.
         positions: [T] int64 absolute positions (`context_lens[i] + j`), on the device.
         phases: the declared `Phase` of each sequence, length N.
+
+    `host_cu_seqlens` and `host_cu_totals` are the host-side offsets the kernels take instead of reading the
+    device ones back (a read is a device sync, and prefill would pay it in every layer).
     """
 
     seq_lens: list[int]
@@ -77,6 +81,23 @@ class ForwardBatch:
 
     def __post_init__(self) -> None:
         self._runs: list[PhaseRun] | None = None
+        self._host_cu: dict[str, torch.Tensor] = {}
+
+    def _prefix_sums(self, name: str, lens: list[int]) -> torch.Tensor:
+        cu = self._host_cu.get(name)
+        if cu is None:
+            cu = self._host_cu[name] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        return cu
+
+    @property
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """[N+1] int32 on the host: `cu_seqlens` as the host knows it (computed once)."""
+        return self._prefix_sums("seq", self.seq_lens)
+
+    @property
+    def host_cu_totals(self) -> torch.Tensor:
+        """[N+1] int32 on the host: prefix sums of `total_lens()` (cached plus new tokens; computed once)."""
+        return self._prefix_sums("total", self.total_lens())
 
     @classmethod
     def build(

@@ -125,9 +125,15 @@ class KimiDeltaAttention(nn.Module):
         qkv, g, beta, slots = [z[run.tokens] for z in qkv], g[run.tokens], beta[run.tokens], slots[run.seqs]
         t, (h, k), cu = qkv[0].shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
         record = Phase.VERIFY in run.batch.phases and hasattr(cache, "record_verify")
-        conv_before, inputs = (conv_state[slots].clone(), torch.cat(qkv, dim=-1)) if record else (None, None)
-        # a static per-layer buffer for the per-token states, so that a graph-replayed verify writes in place
-        scratch = cache.verify_scratch(self.layer_idx, t) if record and hasattr(cache, "verify_scratch") else None
+        # static per-layer buffers for the records, so that a graph-replayed verify writes them in place (and
+        # written there directly: no copy of them afterwards)
+        scratch = cache.verify_scratch(self.layer_idx, t, len(slots)) if record else None
+        conv_before = inputs = None
+        if scratch is not None:
+            conv_before = torch.index_select(conv_state, 0, slots, out=scratch.conv_before)
+            inputs = torch.cat(qkv, dim=-1, out=scratch.inputs)
+        elif record:
+            conv_before, inputs = conv_state[slots].clone(), torch.cat(qkv, dim=-1)
         if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(
                 qkv, conv_state, self.conv_weights(), state_indices=slots, backend=self.backends.kernels
@@ -140,7 +146,10 @@ class KimiDeltaAttention(nn.Module):
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         core = fused_recurrent_kda if run.decode_path else chunk_kda
         gate = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound)
-        verify = dict(return_intermediate_states=True, intermediate_states=scratch) if record else {}
+        states_out = None if scratch is None else scratch.states
+        verify = dict(return_intermediate_states=True, intermediate_states=states_out) if record else {}
+        # the chunked kernel plans its chunks on the host: it takes the host's offsets rather than reading cu back
+        cu = cu if run.decode_path else run.batch.host_cu_seqlens
         o, states = core(
             q, k_, v, g[None], beta[None], initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu, state_indices=slots, use_beta_sigmoid_in_kernel=True, backend=self.backends.kernels,

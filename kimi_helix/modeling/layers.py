@@ -37,9 +37,14 @@ def plain_linear(lin: nn.Module, x: torch.Tensor) -> bool:
     return type(lin) in (nn.Linear, Linear) and lin.bias is None and not hooked(lin) and lin.weight.device == x.device
 
 
-def fused_projections(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
+def fused_projections(x: torch.Tensor, linears: list[nn.Linear], pack=None) -> list[torch.Tensor]:
     """`[lin(x) for lin in linears]` for x [..., d], in one `linear` launch (automatic backend, as `Linear`) where
-    every one is `plain_linear` (at most three)."""
+    every one is `plain_linear` (at most three). With `pack` (a `packing.WeightPack` of these linears) the weights
+    become views of one packed weight where they can, so that prefill-sized calls are one GEMM too (the GEMM
+    library takes one weight: separate weights would be a GEMM each and a concatenation)."""
+    packed = None if pack is None else pack.weight(linears, x)
+    if packed is not None:
+        return list(linear(x, packed).split([lin.weight.shape[0] for lin in linears], dim=-1))
     if len(linears) > 3 or not all(plain_linear(lin, x) for lin in linears):
         return [lin(x) for lin in linears]
     y = linear(x, [lin.weight for lin in linears])
@@ -90,9 +95,13 @@ class SwiGLU(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
         self.backends = BackendChoice()  # the model's choice, set by `KimiK3Model.set_backends`
+        from .packing import WeightPack  # packing reads this module's `plain_linear`
+
+        self._pack = WeightPack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = fused_projections(x, [self.gate_proj, self.up_proj])
+        m = self._modules
+        gate, up = fused_projections(x, [m["gate_proj"], m["up_proj"]], self._pack)
         return self.down_proj(silu_mul(gate, up, backend=self.backends.kernels))
 
 

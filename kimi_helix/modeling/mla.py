@@ -24,6 +24,7 @@ from ..kernels.backends import BackendChoice
 from .batch import ForwardBatch
 from .config import KimiK3Config
 from .layers import Linear, RMSNorm, apply_rotary, fused_projections
+from .packing import WeightPack
 from .paged_mla import absorb_query, paged_mla_attention, unabsorb_output
 
 
@@ -110,11 +111,21 @@ class MLAttention(nn.Module):
         if config.mla_use_output_gate:
             self.g_proj = Linear(d, h * self.v_dim)
         self.o_proj = Linear(h * self.v_dim, d)
+        self._x_pack = WeightPack()  # the x projections' rows
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [T, H, nope + rope] and new cache latents [T, r + rope] for packed tokens x [T, d]."""
-        first = self.q_a_proj if self.q_lora else self.q_proj  # both read x: one launch at decode sizes
-        q, ckv = fused_projections(x, [first, self.kv_a_proj_with_mqa])
+    def _x_linears(self) -> list[nn.Linear]:
+        """The projections that read the layer input x, in their order in the packed weight (read from `_modules`
+        directly: this runs every call, and a submodule attribute goes through `nn.Module.__getattr__`)."""
+        m = self._modules
+        first = [m["q_a_proj"] if self.q_lora else m["q_proj"], m["kv_a_proj_with_mqa"]]
+        return first + [m["g_proj"]] if self.output_gate else first
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [T, H, nope + rope], new cache latents [T, r + rope] and the output gate's pre-activation
+        [T, H * v_dim] (None without one) for packed tokens x [T, d]: the projections of x in one launch
+        (`fused_projections`)."""
+        outs = fused_projections(x, self._x_linears(), self._x_pack)
+        q, ckv, gate = outs[0], outs[1], (outs[2] if self.output_gate else None)
         q = self.q_b_proj(self.q_a_layernorm(q)) if self.q_lora else q
         q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
         c, k_pe = ckv.split([self.kv_lora_rank, self.rope], dim=-1)
@@ -122,14 +133,14 @@ class MLAttention(nn.Module):
             rotate = functools.partial(apply_rotary, theta=self.rope_theta, backend=self.backends.kernels)
             q = torch.cat([q[..., : self.nope], rotate(q[..., self.nope :], positions)], -1)
             k_pe = rotate(k_pe, positions)
-        return q, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+        return q, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1), gate
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         """x [T, d] packed tokens -> [T, d]. `cache.mla_latents` gives this layer's pages and this step's
         addressing (`PagedLatents`); the new latents are stored there and attended per declared phase."""
-        q, latent = self.project(x, batch.positions)
+        q, latent, gate = self.project(x, batch.positions)
         kv = cache.mla_latents(self.layer_idx, batch, like=latent)
         o = paged_mla_attention(self, q, latent, batch, kv).reshape(x.shape[0], -1)
-        if self.output_gate:
-            o = o * torch.sigmoid(self.g_proj(x))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)

@@ -38,6 +38,9 @@ class PagedLatents:
         backend: the attention backend to force (None: automatic).
         attend: replaces the maths below when set (Helix context parallelism, `parallel/helix.py`): called as
             `attend(module, q, latent, batch, kv)`, it stores and attends itself.
+        context: called as `context(run)` for a prefill run, gives (slots [sum totals] int32 of every token of its
+            sequences, cached and new; cu_totals [n+1] int32), both on the device, from the host's page lists
+            (`engine.cache.CacheView.prefill_context`: one upload per pass). None: built on the device here.
     """
 
     pages: torch.Tensor
@@ -47,6 +50,7 @@ class PagedLatents:
     slot_mapping: torch.Tensor
     backend: str | None = None
     attend: Callable | None = None
+    context: Callable | None = None
 
     @property
     def page_size(self) -> int:
@@ -88,16 +92,26 @@ def store_latents(kv: PagedLatents, latent: torch.Tensor) -> None:
 
 def gather_context(kv: PagedLatents, block_table: torch.Tensor, totals: list[int], dtype: torch.dtype):
     """The whole cached context of the sequences of `block_table` [n, max_pages] with `totals` tokens each (new
-    ones included), packed: [sum totals, D] in `dtype`."""
-    device = kv.pages.device
-    lens = torch.tensor(totals, device=device)
-    seq = torch.repeat_interleave(torch.arange(len(totals), device=device), lens)
+    ones included), packed: [sum totals, D] in `dtype`. Built on the device without a host sync."""
+    return gather_latents(kv, context_slots(block_table, totals, kv.page_size), dtype)
+
+
+def context_slots(block_table: torch.Tensor, totals: list[int], page_size: int) -> torch.Tensor:
+    """[sum totals] int64 flat slots of every token of the sequences of `block_table` [n, max_pages], `totals`
+    tokens each (device ops; `output_size` spares `repeat_interleave` its read-back of the lengths)."""
+    device, size = block_table.device, int(sum(totals))
+    lens = torch.tensor(totals).to(device, non_blocking=True)
+    seq = torch.repeat_interleave(torch.arange(len(totals), device=device), lens, output_size=size)
     starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(int(sum(totals)), device=device) - starts[seq]
-    slots = block_table[seq, pos // kv.page_size].long() * kv.page_size + pos % kv.page_size
-    ctx = kv.pages.view(-1, kv.pages.shape[-1])[slots]
+    pos = torch.arange(size, device=device) - starts[seq]
+    return block_table[seq, pos // page_size].long() * page_size + pos % page_size
+
+
+def gather_latents(kv: PagedLatents, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The latents at flat `slots` [S] (int32 or int64) of the pages, dequantised: [S, D] in `dtype`."""
+    ctx = kv.pages.view(-1, kv.pages.shape[-1]).index_select(0, slots)
     if kv.scales is not None:
-        ctx = ctx.float() * kv.scales.view(-1)[slots][:, None]
+        ctx = ctx.float() * kv.scales.view(-1).index_select(0, slots)[:, None]
     return ctx.to(dtype)
 
 
@@ -134,22 +148,27 @@ def _decode(module, q: torch.Tensor, run: PhaseRun, kv: PagedLatents) -> torch.T
 
 
 def _prefill(module, q: torch.Tensor, run: PhaseRun, kv: PagedLatents) -> torch.Tensor:
-    """Expanded MLA of prefill chunks over their gathered contexts."""
+    """Expanded MLA of prefill chunks over their gathered contexts (no host sync: the kernel takes the host's
+    offsets, and the context's slots come from the host's page lists where the cache gives them)."""
     w, nope, v_dim, r = module.kv_b_proj.weight, module.nope, module.v_dim, module.kv_lora_rank
-    contexts = gather_context(kv, kv.block_table[run.seqs], run.batch.total_lens(), q.dtype)
+    host_cu_k = run.batch.host_cu_totals
+    if kv.context is not None:
+        slots, cu_k = kv.context(run)
+    else:
+        slots = context_slots(kv.block_table[run.seqs], run.batch.total_lens(), kv.page_size)
+        cu_k = host_cu_k.to(q.device, non_blocking=True)
+    contexts = gather_latents(kv, slots, q.dtype)
     kv_full = F.linear(contexts[:, :r], w).view(contexts.shape[0], -1, nope + v_dim)
     k_pe = contexts[:, None, r:].expand(-1, kv_full.shape[1], -1)
     k = torch.cat([kv_full[..., :nope], k_pe], dim=-1)
-    totals = torch.tensor(run.batch.total_lens(), dtype=torch.int32)
-    cu_k = torch.zeros(len(totals) + 1, dtype=torch.int32)
-    torch.cumsum(totals, 0, out=cu_k[1:])
     out, _ = mla_prefill(
         q.contiguous(),
         k,
         kv_full[..., nope:].contiguous(),
         run.batch.cu_seqlens,
-        cu_k.to(q.device),
+        cu_k,
         module.scale,
+        host_offsets=(run.batch.host_cu_seqlens, host_cu_k),
         backend=kv.backend,
     )
     return out

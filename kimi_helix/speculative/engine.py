@@ -149,14 +149,22 @@ class SpeculativeDecoder:
         where = self._patch.put([dst, src])
         input_ids.index_copy_(0, where[0], drafts.tokens.view(-1).index_select(0, where[1]))
 
-    def _read_device_drafts(self, step) -> None:
-        """Replace the placeholders of this round's device drafts by the drafts (one copy to the host, which also
-        waits for the verify step queued after them)."""
+    def _read_back(self, step, best: torch.Tensor | None) -> list[int]:
+        """Read this round's device drafts (if any) and the greedy groups' argmax rows `best` [R] (if any) in ONE
+        copy to the host (the round's one sync: it also waits for the verify step queued after the drafts); the
+        drafts replace their placeholders in `step`. Returns `best` on the host ([] without it)."""
         drafts, self._on_device = self._on_device, None
-        rows = drafts.tokens.tolist()
-        for i, row, _, n in self._device_groups(step):
-            step.token_ids[i][1:] = rows[row][:n]
+        parts = [t for t in (None if drafts is None else drafts.tokens.view(-1), best) if t is not None]
+        if not parts:
+            return []
+        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        if drafts is None:
+            return host
+        k, n = drafts.tokens.shape[1], drafts.tokens.numel()
+        for i, row, _, m in self._device_groups(step):
+            step.token_ids[i][1:] = host[row * k : row * k + m]
             step.requests[i].draft_token_ids = step.token_ids[i][1:]
+        return host[n:]
 
     def _device_groups(self, step):
         """(index in the step, row of this round's device drafts, first packed token, drafts kept) of each verify
@@ -182,11 +190,10 @@ class SpeculativeDecoder:
 
         A group's drafts are its tokens after the first (the k the scheduler kept); its k + 1 logit rows are the
         last of the request's rows."""
-        if self._on_device is not None:
-            self._read_device_drafts(step)
         groups = [i for i, phase in enumerate(step.phases) if phase is Phase.VERIFY]
         greedy = [i for i in groups if step.requests[i].params.greedy]
-        results = dict(zip(greedy, self._verify_greedy(step, out, greedy)))
+        best = self._read_back(step, self._greedy_argmax(step, out, greedy))
+        results = dict(zip(greedy, self._accept_greedy(step, greedy, best)))
         for i in groups:
             request, drafts = step.requests[i], step.token_ids[i][1:]
             proposal = self._proposals.pop(request.request_id, None)
@@ -203,11 +210,11 @@ class SpeculativeDecoder:
         return dict(zip(groups, results))
 
     @staticmethod
-    def _verify_greedy(step, out, groups: list[int]) -> list[VerifyResult]:
-        """`verify_greedy` for every greedy group at once: the argmax of all their rows on the device and one
-        copy of them to the host (a group's k + 1 rows are the last of its request's rows)."""
+    def _greedy_argmax(step, out, groups: list[int]) -> torch.Tensor | None:
+        """The argmax of every greedy group's rows, on the device ([R] int64, the groups' k + 1 rows in order: a
+        group's rows are the last of its request's rows), or None without greedy groups."""
         if not groups:
-            return []
+            return None
         spans = [(out.rows[i].stop - len(step.token_ids[i]), out.rows[i].stop) for i in groups]
         ends = [0] + [b for _, b in spans]
         if all(a == end for (a, _), end in zip(spans, ends)) and ends[-1] == out.logits.shape[0]:
@@ -215,7 +222,11 @@ class SpeculativeDecoder:
         else:
             index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
             rows = out.logits.index_select(0, index.to(out.logits.device, non_blocking=True))
-        best = rows.argmax(dim=-1).tolist()  # the same argmax as `sample`
+        return rows.argmax(dim=-1)  # the same argmax as `sample`
+
+    @staticmethod
+    def _accept_greedy(step, groups: list[int], best: list[int]) -> list[VerifyResult]:
+        """`verify_greedy` for every greedy group from the host copy `best` of `_greedy_argmax`."""
         results, offset = [], 0
         for i in groups:
             n = len(step.token_ids[i])

@@ -25,6 +25,7 @@ is read on the host: pass it on the CPU to avoid a device sync.
 
 from __future__ import annotations
 
+import functools
 from itertools import pairwise
 
 import torch
@@ -52,18 +53,26 @@ _BC = 16  # rows per sub-block of a chunk: the smallest tl.dot tile
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device: torch.device):
-    """(cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2] of (sequence, chunk), chunk_offsets int32 [N+1])."""
-    bounds = segment_bounds(cu_seqlens, B, T)
+    """(cu_seqlens int32 [N+1], chunk_indices int32 [NT, 2] of (sequence, chunk), chunk_offsets int32 [N+1]).
+
+    Host ``cu_seqlens`` are read without a device sync. The layout of given bounds is built and uploaded once and
+    then reused (every KDA layer of a prefill pass asks for the same one); the kernels only read it."""
+    return _layout_of(tuple(segment_bounds(cu_seqlens, B, T)), BT, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_of(bounds: tuple[int, ...], BT: int, device: torch.device):
     counts = [cdiv(e - b, BT) for b, e in pairwise(bounds)]
     pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
 
-    def dev(x):
-        return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
-
-    return dev(bounds), dev(pairs).reshape(-1, 2), dev(offsets)
+    host = torch.tensor([*bounds, *offsets, *(i for pair in pairs for i in pair)], dtype=torch.int32)
+    packed = host.pin_memory() if device.type == "cuda" else host
+    packed = packed.to(device, non_blocking=True)  # one copy for the three
+    n = len(bounds)
+    return packed[:n], packed[2 * n :].view(-1, 2), packed[n : 2 * n]
 
 
 # Launch parameters of the chunk-parallel kernels, tuned on an H200 at T=8192, H=64 by scripts/tune_kda_prefill.py

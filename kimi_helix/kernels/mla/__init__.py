@@ -64,11 +64,13 @@ def mla_prefill(
     scale: float,
     *,
     need_lse: bool = False,
+    host_offsets: tuple | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expanded MLA prefill: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> out [Tq, H, Dv], lse [Tq, H] or None.
 
-    See `naive.mla_prefill_ref` for the contract.
+    See `naive.mla_prefill_ref` for the contract. `host_offsets`, the host's (cu_seqlens_q, cu_seqlens_k), spares
+    every backend reading the device offsets back (a device sync); they are checked instead of the device ones.
     """
     request = AttentionRequest(
         phase="prefill",
@@ -87,4 +89,4 @@ def mla_prefill(
         from .sdpa import mla_prefill_sdpa as fn
     else:
         from .naive import mla_prefill_ref as fn
-    return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, host_offsets)

@@ -75,7 +75,14 @@ def mla_decode_ref(
     return out.to(q.dtype), lse
 
 
-def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+def host_bounds(cu_seqlens_q, cu_seqlens_k, host_offsets=None) -> tuple[list[int], list[int]]:
+    """The query and key offsets as Python ints: `host_offsets` (the host's copies, no device read) when given."""
+    if host_offsets is None:
+        return cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [x.tolist() if isinstance(x, torch.Tensor) else [int(i) for i in x] for x in host_offsets]
+
+
+def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, host_offsets=None):
     """Varlen causal attention of new tokens over their sequence's cached prefix plus themselves (expanded MLA).
 
     Args:
@@ -85,6 +92,8 @@ def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         cu_seqlens_q: [N + 1] int32 query offsets; cu_seqlens_k: [N + 1] int32 key offsets.
             Sequence i's queries are the LAST Tq_i of its Tk_i positions: query j sees keys [0, Tk_i - Tq_i + j].
         scale: softmax scale ((qk_nope + qk_rope) ** -0.5 for MLA).
+        host_offsets: (cu_seqlens_q, cu_seqlens_k) as the host knows them (sequences of ints or CPU tensors):
+            read instead of the device offsets, which then are not read back (no device sync); they must agree.
 
     Returns:
         out [Tq, H, Dv] in q.dtype and lse [Tq, H] fp32 natural-log logsumexp of the scaled scores
@@ -97,7 +106,7 @@ def mla_prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
     H = q.shape[1]
     out = torch.zeros(q.shape[0], H, v.shape[2], dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], H), float("-inf"), dtype=torch.float32, device=q.device)
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    cq, ck = host_bounds(cu_seqlens_q, cu_seqlens_k, host_offsets)
     for i in range(len(cq) - 1):
         tq, tk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
         if tq == 0:

@@ -10,6 +10,7 @@ slabs whose dots are summed, rather than padded to 256 (which would waste a quar
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,7 @@ import triton.language as tl
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import interpreting, triton_devices
+from kimi_helix.kernels.mla.naive import host_bounds
 
 __all__ = ["CAPS", "mla_prefill_triton", "tile_config"]
 
@@ -181,12 +183,32 @@ def tile_config(dtype: torch.dtype, dqk: int, dv: int) -> tuple[int, int, int, i
     return _GPU_CONFIGS[-1]
 
 
-def _check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> None:
-    """Content checks on the offsets. They cost one device sync, so they are skipped under CUDA graph capture."""
-    if cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
+def _check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, host=None) -> None:
+    """Content checks on the offsets: on the host's copies `host` (cu_q, cu_k) when given, else on the device ones,
+    which costs one device sync (skipped under CUDA graph capture)."""
+    if host is not None:
+        cq, ck = host_bounds(cu_q, cu_k, host)
+        if len(cq) != cu_q.numel() or len(ck) != cu_k.numel():
+            raise ValueError(f"host_offsets hold {len(cq)} and {len(ck)} entries, cu_seqlens {cu_q.numel()}")
+        dq, dk = [b - a for a, b in zip(cq, cq[1:])], [b - a for a, b in zip(ck, ck[1:])]
+        checks = [cq[0] == 0, min(dq, default=0) >= 0, cq[-1] == total_q, ck[0] == 0, min(dk, default=0) >= 0,
+                  ck[-1] == total_k, all(a <= b for a, b in zip(dq, dk))]  # fmt: skip
+    elif cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
         return
+    else:
+        checks = _device_checks(cu_q, cu_k, total_q, total_k)
+    names = ["cu_seqlens_q"] * 3 + ["cu_seqlens_k"] * 3
+    totals = [total_q] * 3 + [total_k] * 3
+    for ok, name, total in zip(checks[:6], names, totals):
+        if not ok:
+            raise ValueError(f"{name} must start at 0, be non-decreasing and end at the token count {total}")
+    if not checks[6]:
+        raise ValueError("cu_seqlens_q: a sequence has more new tokens (queries) than tokens in all (keys)")
+
+
+def _device_checks(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> list[bool]:
     dq, dk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    checks = torch.stack(
+    return torch.stack(
         [
             cu_q[0] == 0,
             (dq >= 0).all(),
@@ -197,16 +219,9 @@ def _check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, tota
             (dq <= dk).all(),
         ]
     ).tolist()
-    names = ["cu_seqlens_q"] * 3 + ["cu_seqlens_k"] * 3
-    totals = [total_q] * 3 + [total_k] * 3
-    for ok, name, total in zip(checks[:6], names, totals):
-        if not ok:
-            raise ValueError(f"{name} must start at 0, be non-decreasing and end at the token count {total}")
-    if not checks[6]:
-        raise ValueError("cu_seqlens_q: a sequence has more new tokens (queries) than tokens in all (keys)")
 
 
-def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple[tuple[int, int], tuple[int, int]]:
+def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, host_offsets=None) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shape/dtype/device checks (ValueError naming the tensor); returns the (a, b) splits of Dqk and Dv."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
@@ -230,8 +245,19 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple[tuple[int, int], tup
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel()} entries, cu_seqlens_q {cu_seqlens_q.numel()}")
-    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], host_offsets)
     return _split_pow2("Dqk", dqk), _split_pow2("Dv", v.shape[2])
+
+
+@functools.lru_cache(maxsize=16)
+def _host_block_map(cq: tuple[int, ...], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_block_map` of host offsets `cq`: built on the host and uploaded in one copy, once per offsets (the MLA
+    layers of a prefill pass share it; the kernel only reads it). Real programs only, in the same reversed order."""
+    counts = [-(-(b - a) // block_m) for a, b in zip(cq, cq[1:])]
+    pairs = [(n, j) for n, c in enumerate(counts) for j in range(c)][::-1]
+    host = torch.tensor([i for pair in pairs for i in pair], dtype=torch.int32).view(-1, 2).t().contiguous()
+    dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    return dev[0], dev[1]
 
 
 def _block_map(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,14 +277,18 @@ def _block_map(cu_seqlens_q: torch.Tensor, total_q: int, block_m: int) -> tuple[
     return seq.to(torch.int32), (pids - first).to(torch.int32)
 
 
-def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config):
-    """Allocate the outputs and run the kernel on validated inputs with config (BLOCK_M, BLOCK_N, warps, stages)."""
+def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config, host_cu_q=None):
+    """Allocate the outputs and run the kernel on validated inputs with config (BLOCK_M, BLOCK_N, warps, stages);
+    `host_cu_q`, the host's query offsets, builds the block map on the host."""
     (dqk_a, dqk_b), (dv_a, dv_b) = splits
     block_m, block_n, num_warps, num_stages = config
     total_q, H = q.shape[0], q.shape[1]
     out = torch.empty(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)
     lse = torch.empty(total_q, H, dtype=torch.float32, device=q.device)
-    block_seq, block_idx = _block_map(cu_seqlens_q, total_q, block_m)
+    if host_cu_q is None:
+        block_seq, block_idx = _block_map(cu_seqlens_q, total_q, block_m)
+    else:
+        block_seq, block_idx = _host_block_map(tuple(host_cu_q), block_m, q.device)
     if block_seq.numel() == 0:
         return out, lse
     mla_prefill_fwd_kernel[(block_seq.numel(), H)](
@@ -271,7 +301,7 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config):
     return out, lse
 
 
-def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, host_offsets=None):
     """Varlen causal attention of new tokens over their sequence's cached prefix plus themselves (expanded MLA).
 
     Args:
@@ -281,6 +311,8 @@ def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         cu_seqlens_q: [N + 1] int32 query offsets; cu_seqlens_k: [N + 1] int32 key offsets.
             Sequence i's queries are the LAST Tq_i of its Tk_i positions: query j sees keys [0, Tk_i - Tq_i + j].
         scale: softmax scale ((qk_nope + qk_rope) ** -0.5 for MLA).
+        host_offsets: (cu_seqlens_q, cu_seqlens_k) as the host knows them: checked and planned on instead of the
+            device offsets, which are then never read back (no device sync). They must agree with them.
 
     Dqk and Dv must each be a power of two >= 16 or a sum of two (Kimi: Dqk 192 = 128 + 64, Dv 128).
     fp32 inputs use exact fp32 dots (no TF32).
@@ -289,9 +321,11 @@ def mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         out [Tq, H, Dv] in q.dtype and lse [Tq, H] fp32 natural-log logsumexp of the scaled scores. (Every query
         sees at least itself, as Tq_i <= Tk_i is enforced, so no row is empty.)
     """
-    splits = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    splits = _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, host_offsets)
     if not scale > 0:  # the kernel scales the running max by it, which is only right for a positive scale
         raise ValueError(f"scale must be positive, got {scale}")
     # The kernel assumes unit stride along the head dim (vector loads); token/head strides are free.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, tile_config(q.dtype, q.shape[2], v.shape[2]))
+    config = tile_config(q.dtype, q.shape[2], v.shape[2])
+    host_cu_q = None if host_offsets is None else host_bounds(cu_seqlens_q, cu_seqlens_k, host_offsets)[0]
+    return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, splits, config, host_cu_q)

@@ -26,8 +26,10 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from ...kernels.linear import linear
 from ...modeling.checkpoint import CheckpointError
-from ...modeling.layers import RMSNorm, SwiGLU, apply_rotary
+from ...modeling.layers import RMSNorm, SwiGLU, apply_rotary, fused_projections
+from ...modeling.packing import WeightPack
 from .config import DSparkConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -54,7 +56,10 @@ class Draft:
 
 
 class DSparkAttention(nn.Module):
-    """Softmax attention of the block over `[context; block]`, with per-head q/k RMSNorm and RoPE."""
+    """Softmax attention of the block over `[context; block]`, with per-head q/k RMSNorm and RoPE.
+
+    q, k and v read the same input: where the weights pack (CUDA, no autograd, `WeightPack`) they are one GEMM,
+    and the context's k and v one GEMM over the packed weight's k and v rows."""
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
@@ -66,36 +71,49 @@ class DSparkAttention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self._qkv_pack = WeightPack()
+
+    def _qkv(self) -> list[nn.Linear]:
+        m = self._modules
+        return [m["q_proj"], m["k_proj"], m["v_proj"]]
+
+    def _project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [..., H*hd] of x [..., d]: one launch over the packed weight's k and v rows where it packs."""
+        packed = self._qkv_pack.weight(self._qkv(), x)
+        if packed is None:
+            return self.k_proj(x), self.v_proj(x)
+        k, v = linear(x, packed[self.q_proj.weight.shape[0] :]).chunk(2, dim=-1)
+        return k, v
+
+    def _norm_rotate(self, k: torch.Tensor, positions: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Per-head RMSNorm then RoPE: k [..., C, H*hd], positions [..., C] -> [..., C, H, hd]."""
+        shape = (*k.shape[:-1], self.num_heads, self.head_dim)
+        k = norm(k.view(shape))
+        return apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta).view(shape)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., C, d], positions [..., C] -> k, v [..., C, H, hd] (k normed and rotated)."""
-        shape = (*x.shape[:-1], self.num_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x).view(shape))
-        k = apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta).view(shape)
-        return k, self.v_proj(x).view(shape)
+        k, v = self._project_kv(x)
+        return self._norm_rotate(k, positions, self.k_norm), v.view(*v.shape[:-1], self.num_heads, self.head_dim)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
-        ctx_visible: torch.Tensor,
+        self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """x [N, G, d] block, positions [N, G]; ctx_k/ctx_v [N, C, H, hd]; ctx_visible [N, C] bool -> [N, G, d]."""
+        """x [N, G, d] block, positions [N, G]; ctx_k/ctx_v [N, C, H, hd]; visible [N, 1, 1, C + G] bool, the keys
+        each query sees (`DSparkDrafter.backbone`'s, shared by the layers) -> [N, G, d]."""
         n, g, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(n, g, self.num_heads, self.head_dim))
-        q = apply_rotary(q.reshape(n * g, self.num_heads, -1), positions.reshape(-1), self.theta).view_as(q)
-        k_blk, v_blk = self.keys_values(x, positions)
+        q, k_blk, v_blk = fused_projections(x, self._qkv(), self._qkv_pack)
+        q, k_blk = self._norm_rotate(q, positions, self.q_norm), self._norm_rotate(k_blk, positions, self.k_norm)
+        v_blk = v_blk.view(n, g, self.num_heads, self.head_dim)
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
-        visible = torch.cat([ctx_visible, ctx_visible.new_ones(n, g)], dim=1)  # the whole block sees itself
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None, None, :])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible)
         return self.o_proj(out.transpose(1, 2).reshape(n, g, -1))
 
 
 class DSparkLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x), context)`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x), context)`, then `x + mlp(norm(x))` (the residual add and the MLP's norm in
+    one kernel)."""
 
     def __init__(self, config: DSparkConfig):
         super().__init__()
@@ -104,9 +122,11 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, positions, ctx_k, ctx_v, ctx_visible):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, ctx_k, ctx_v, visible):
+        h, x = self.post_attention_layernorm.forward_add(
+            self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, visible), x
+        )
+        return x + self.mlp(h)
 
 
 class DSparkDrafter(PreTrainedModel):
@@ -187,7 +207,10 @@ class DSparkDrafter(PreTrainedModel):
         anchor's position are masked out."""
         g = block_ids.shape[1]
         positions = anchor_positions[:, None] + torch.arange(g, device=block_ids.device)
-        visible = ctx_valid & (ctx_positions < anchor_positions[:, None])
+        # the keys each query sees, built once for all layers: the valid context before the anchor, and the whole
+        # block (non-causal inside it)
+        visible = F.pad(ctx_valid & (ctx_positions < anchor_positions[:, None]), (0, g), value=True)
+        visible = visible[:, None, None, :]
         x = self._io()[0](block_ids)
         for layer, (k, v) in zip(self.layers, ctx, strict=True):
             x = layer(x, positions, k, v, visible)
@@ -288,18 +311,16 @@ class DSparkDrafter(PreTrainedModel):
         if sampled:
             temps = torch.tensor([max(t, GREEDY_TEMPERATURE) for t in temperatures], device=device)[:, None]
             rows = torch.tensor(sampled, device=device)
-        tokens = torch.empty(n, num_tokens, dtype=torch.long, device=device)
+        # slot k's tokens are row k of a [k, N] buffer (an argmax writes a contiguous row in place)
+        tokens = torch.empty(num_tokens, n, dtype=torch.long, device=device).t()
         probs = torch.empty_like(base) if with_probs and sampled else None
-        conf = [] if self.confidence_head is not None else None
         prev = anchor_ids
         for k in range(num_tokens):
             logits = base[:, k]
             bias = self.markov_bias(prev)
             if bias is not None:
-                logits = logits + bias.float()
-            if conf is not None:
-                conf.append(torch.sigmoid(self.confidence_logits(hidden[:, k], prev)))
-            tokens[:, k] = logits.argmax(dim=-1)
+                logits = torch.add(logits, bias)  # fp32 + bf16 -> fp32, as `logits + bias.float()`
+            torch.argmax(logits, dim=-1, out=tokens[:, k])
             if sampled:
                 p = torch.softmax(logits / temps, dim=-1)
                 draws = [torch.multinomial(p[i], 1, generator=generators[i]) for i in sampled]
@@ -307,6 +328,10 @@ class DSparkDrafter(PreTrainedModel):
                 if probs is not None:
                     probs[:, k] = p
             prev = tokens[:, k]
+        conf = None
+        if self.confidence_head is not None:  # every slot at once: it reads the chain's tokens, never feeds it
+            prevs = torch.cat([anchor_ids[:, None], tokens[:, :-1]], dim=1)
+            conf = torch.sigmoid(self.confidence_logits(hidden, prevs))
         if with_probs:
             one_hot = F.one_hot(tokens, base.shape[-1]).float()
             if probs is None:
@@ -314,7 +339,7 @@ class DSparkDrafter(PreTrainedModel):
             else:  # greedy rows draw from a point mass
                 greedy = torch.tensor([i not in sampled for i in range(n)], device=device)
                 probs = torch.where(greedy[:, None, None], one_hot, probs)
-        return Draft(tokens, probs, None if conf is None else torch.stack(conf, dim=1))
+        return Draft(tokens, probs, conf)
 
     # ---------------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory, **kwargs) -> None:
