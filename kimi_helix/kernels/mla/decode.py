@@ -17,7 +17,6 @@ call (same outputs, same combine kernel).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -32,9 +31,11 @@ from kimi_helix.kernels.mla.combine_triton import launch_combine, mla_decode_com
 from kimi_helix.kernels.mla.decode_fp8 import accumulate, attend_tile_fp8, scaled_rows
 from kimi_helix.kernels.mla.decode_schedule import (
     D_SPLITS,
+    FP8_WGMMA,
     MIN_WAVES,
     SCHEDULES,
     TRITON_FP8_SCHEDULES,
+    Fp8WgmmaParams,
     Schedule,
     choose_num_kv_splits,
     choose_tiles,
@@ -46,8 +47,8 @@ except ImportError:
     decode_wgmma = decode_fp8_wgmma = None
 
 __all__ = [
-    "CAPS", "D_SPLITS", "MIN_WAVES", "SCHEDULES", "TMA_MIN_WORK", "TRITON_FP8_SCHEDULES", "Schedule",
-    "mla_decode_combine_kernel", "mla_decode_triton",
+    "CAPS", "D_SPLITS", "FP8_WGMMA", "MIN_WAVES", "SCHEDULES", "TMA_MIN_WORK", "TRITON_FP8_SCHEDULES",
+    "Fp8WgmmaParams", "Schedule", "mla_decode_combine_kernel", "mla_decode_triton",
 ]  # fmt: skip
 
 FP8 = torch.float8_e4m3fn
@@ -426,20 +427,6 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
     )
 
 
-class Fp8WgmmaParams(NamedTuple):
-    """The dequant side of the fp8 Gluon kernel (`decode_fp8_wgmma`): raw tiles whose loads are in flight
-    (lookahead: 1, the next tile's, copied between registers each tile; 2 or 3, each tile in registers of its
-    own), dequant warpgroups (1, or 2 that each take half of every tile's keys; 2 needs lookahead >= 2) and the
-    registers a thread of each (the MMA warpgroup gets the rest of the SM's 64K)."""
-
-    lookahead: int = 1
-    dequant_warpgroups: int = 1
-    dequant_regs: int = 232
-
-
-# Registers a thread of the fp8 kernel's dequant warpgroup: two raw tiles in flight and the conversion fit, and
-# with the MMA warpgroup's 256 the CTA stays within the SM's 64K.
-FP8_WGMMA = Fp8WgmmaParams(lookahead=1, dequant_warpgroups=1, dequant_regs=232)
 FP8_WGMMA_DEQUANT_REGS = FP8_WGMMA.dequant_regs
 
 

@@ -254,6 +254,8 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
                                   ks_layout)  # fmt: skip
 
 
+# One wrapper per dequant warpgroup: warp_specialize takes a function per partition, each with its part of a
+# tile's keys as a constant.
 @gluon.jit
 def _dequant_part0(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
                    ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,

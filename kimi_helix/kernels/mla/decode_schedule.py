@@ -138,3 +138,19 @@ def choose_tiles(
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=sched.block_n, num_warps=sched.num_warps,
         num_stages=sched.num_stages, RESCALE_SLACK=sched.rescale_slack, DSPLIT=d_split,
     ), sched  # fmt: skip
+
+
+class Fp8WgmmaParams(NamedTuple):
+    """The dequant side of the fp8 Gluon kernel (`decode_fp8_wgmma`): raw tiles whose loads are in flight
+    (lookahead: 1, the next tile's, copied between registers each tile; 2 or 3, each tile in registers of its
+    own), dequant warpgroups (1, or 2 that each take half of every tile's keys; 2 needs lookahead >= 2) and the
+    registers a thread of each (the MMA warpgroup gets the rest of the SM's 64K)."""
+
+    lookahead: int = 1
+    dequant_warpgroups: int = 1
+    dequant_regs: int = 232
+
+
+# Registers a thread of the fp8 kernel's dequant warpgroup: two raw tiles in flight and the conversion fit, and
+# with the MMA warpgroup's 256 the CTA stays within the SM's 64K.
+FP8_WGMMA = Fp8WgmmaParams(lookahead=1, dequant_warpgroups=1, dequant_regs=232)
