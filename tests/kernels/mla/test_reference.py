@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kimi_helix.kernels.mla import mla_prefill
 from kimi_helix.kernels.mla.naive import mla_decode_ref, mla_prefill_ref
 
 from ..conftest import assert_rel_close
@@ -50,3 +51,13 @@ def test_reference_empty_rows():
     cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
     out, lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.3)
     assert torch.isneginf(lse[0]).all() and (out[0] == 0).all() and torch.isfinite(lse[1:]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_references_take_host_offsets(backend):
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 2, 32, 16, torch.float32, device="cpu")
+    expected, _ = mla_prefill(q, k, v, cu_q, cu_k, 0.25, backend=backend)
+    # device offsets that disagree are not read when the host's are given
+    wrong = torch.zeros_like(cu_q)
+    out, _ = mla_prefill(q, k, v, wrong, wrong, 0.25, host_offsets=(cu_q, cu_k.tolist()), backend=backend)
+    torch.testing.assert_close(out, expected)

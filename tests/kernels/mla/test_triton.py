@@ -30,6 +30,10 @@ from .conftest import (
     prefix_sweep,
 )
 
+needs_triton = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 (CPU) or a GPU"
+)
+
 
 @pytest.fixture
 def tma_calls(monkeypatch):
@@ -50,11 +54,6 @@ def fwd_launches(monkeypatch):
 
     monkeypatch.setattr(decode, "mla_decode_fwd_kernel", Spy())
     return calls
-
-
-needs_triton = pytest.mark.skipif(
-    not INTERPRET and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 (CPU) or a GPU"
-)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -561,3 +560,58 @@ def test_fp8_wgmma_kernel_compiles_for_sm90_without_spills(params):
         assert usage["stack"] == 0 and usage["LDL"] == 0, (case, usage)
         assert usage["HGMMA"] > 0, (case, usage)
         assert estimate <= usage["shared"] <= estimate + 2048, (case, usage)
+
+
+# mla_prefill(host_offsets=): the host's copies of the offsets replace every read of the device ones; the kernel
+# checks them on the host and builds its block map there (no device sync), with the same results.
+needs_triton = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="Triton needs TRITON_INTERPRET=1 (CPU) or a GPU"
+)
+
+
+def _host(cu: torch.Tensor) -> torch.Tensor:
+    return cu.cpu().clone()  # its own memory, also on the CPU
+
+
+@needs_triton
+def test_triton_host_offsets_match_device_offsets(nan_empty):
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 2, 48, 16, torch.float32)
+    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25, host_offsets=(_host(cu_q), _host(cu_k).tolist()))
+    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
+    assert_rel_close("out", out, r_out, 1e-5)
+    assert_rel_close("lse", lse, r_lse, 1e-5)
+
+
+@needs_triton
+def test_triton_host_offsets_never_read_the_device_ones(monkeypatch):
+    """The device offsets are only handed to the kernel: reading them back on the host fails the test."""
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 1, 32, 16, torch.float32)
+    host = (_host(cu_q), _host(cu_k))
+    expected, _ = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(t):
+        if t.data_ptr() in (cu_q.data_ptr(), cu_k.data_ptr()):
+            raise AssertionError("device offsets read back")
+        return real_tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    out, _ = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25, host_offsets=host)
+    monkeypatch.undo()
+    assert_rel_close("out", out, expected, 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("host_k", "match"),
+    [
+        (lambda cu: cu[:-1], "host_offsets hold"),
+        (lambda cu: cu - 1, "cu_seqlens_k must start at 0"),
+        (lambda cu: torch.cat([cu[:1], cu[1:] * 0]), "cu_seqlens_k must"),
+    ],
+    ids=["length", "start", "decreasing"],
+)
+def test_triton_checks_the_host_offsets(host_k, match):
+    q, k, v, cu_q, cu_k = make_inputs(PAIRS, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25, host_offsets=(_host(cu_q), host_k(_host(cu_k))))
