@@ -381,6 +381,9 @@ LLM_ROWS = [
     ({"num_pages": 2.5}, ValueError, "num_pages must be a positive int, got 2.5"),
     ({"gpu_memory_utilization": 1.5}, ValueError, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"gpu_memory_utilization": math.nan}, ValueError, "gpu_memory_utilization must be in (0, 1], got nan"),
+    ({"max_draft_tokens": 9}, ValueError, "max_draft_tokens must be None or an int in [0, 8]"),
+    ({"max_draft_tokens": 2.0}, ValueError, "max_draft_tokens must be None or an int in [0, 8]"),
+    ({"max_draft_tokens": 4, "page_size": 4}, ValueError, "tokens within a page of 4), got 4"),
     (
         {"attention_backend": "cudnn"},
         ValueError,
