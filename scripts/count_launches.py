@@ -67,6 +67,7 @@ class Counts(TorchDispatchMode):
         self.launches: Counter = Counter()
         self.syncs: Counter = Counter()
         self.sites: dict[str, Counter] = defaultdict(Counter)
+        self.ops: dict[str, Counter] = defaultdict(Counter)  # label -> launches by op or Triton kernel name
         self.paused = 0
 
     @property
@@ -86,15 +87,17 @@ class Counts(TorchDispatchMode):
             self.syncs[self.label] += 1
             self.sites[self.label][f"{what} at {_site()}"] += 1
 
-    def triton_launch(self) -> None:
+    def triton_launch(self, name: str) -> None:
         if not self.paused:
             self.launches[self.label] += 1
+            self.ops[self.label][f"triton {name}"] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.paused:
             if not func.is_view and func not in _FREE:
                 self.launches[self.label] += 1
+                self.ops[self.label][func.overloadpacket.__name__] += 1
             if self.device.type == "cpu":
                 if func in _SYNCS:
                     self.sync(func.__name__)
@@ -122,7 +125,8 @@ def counting(device: torch.device):
 
     def launch(old):
         def run(self, *args, **kwargs):
-            counts.triton_launch()
+            fn = getattr(self, "fn", None)
+            counts.triton_launch(getattr(fn, "__name__", None) or getattr(self, "__name__", "?"))
             counts.paused += 1  # the interpreter's own tensor copies are not the kernel's launches
             try:
                 return old(self, *args, **kwargs)
@@ -219,8 +223,9 @@ def label_phases(llm, counts: Counts) -> None:
         wrap(spec, "verify_groups", "verify read")
 
 
-def count(llm, prompt, max_tokens: int) -> None:
-    """Generate once untimed, then once counted; print launches and syncs per phase."""
+def count(llm, prompt, max_tokens: int, ops: int = 0) -> None:
+    """Generate once untimed, then once counted; print launches and syncs per phase (and its `ops` most launched
+    ops or kernels)."""
     from kimi_helix.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -235,6 +240,9 @@ def count(llm, prompt, max_tokens: int) -> None:
     for label in sorted(set(counts.launches) | set(counts.syncs)):
         per = 1 if label == "prefill" else rounds
         print(f"  {label:<14}{counts.launches[label] / per:9.1f} launches {counts.syncs[label] / per:7.2f} syncs")
+        if ops and label != "prefill":
+            top = counts.ops[label].most_common(ops)
+            print("      " + ", ".join(f"{name} {n / per:.1f}" for name, n in top))
     for label, sites in sorted(counts.sites.items()):
         for site, n in sites.most_common(12):
             print(f"    sync in {label}: {n}x {site}")
@@ -256,6 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--ops", type=int, default=0, metavar="N", help="also list each phase's N most launched ops")
     args = p.parse_args(argv)
     args.num_prompts, args.seed, args.prompts = 1, 0, None
     args.prompt_lookup_min, args.prompt_lookup_max = 1, 4
@@ -268,7 +277,7 @@ def main(argv=None) -> int:
         llm = LLM(model_dir, device=args.device, page_size=16, max_num_seqs=1, max_model_len=max_len,
                   num_pages=4 * -(-max_len // 16), speculative_config=spec, enforce_eager=True)  # fmt: skip
         print(f"== {method} k={k} on {args.device}, prompt {len(prompt)} tokens:")
-        count(llm, prompt, args.max_tokens)
+        count(llm, prompt, args.max_tokens, args.ops)
     return 0
 
 
