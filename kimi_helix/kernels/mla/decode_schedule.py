@@ -151,6 +151,8 @@ class Fp8WgmmaParams(NamedTuple):
     dequant_regs: int = 232
 
 
-# Registers a thread of the fp8 kernel's dequant warpgroup: two raw tiles in flight and the conversion fit, and
-# with the MMA warpgroup's 256 the CTA stays within the SM's 64K.
-FP8_WGMMA = Fp8WgmmaParams(lookahead=1, dequant_warpgroups=1, dequant_regs=232)
+# Two raw tiles in flight, so that a tile's loads overlap the previous tile's dequant (one tile in flight copied
+# the next loads between registers and waited out their latency): the fastest variant of the sweep at b=128
+# (`scripts/tune_mla_fp8_wgmma.py`, docs/benchmarks.md). 232 registers hold both tiles and the conversion; with
+# the MMA warpgroup's 256 the CTA stays within the SM's 64K.
+FP8_WGMMA = Fp8WgmmaParams(lookahead=2, dequant_warpgroups=1, dequant_regs=232)
