@@ -30,7 +30,7 @@ TILE_ELEMENTS = 16384
 
 @triton.jit
 def markov_chain_kernel(
-    base, anchors, w1, w2, hidden, wc, bc, tokens, conf, K, V, R, D,
+    base, anchors, w1, w2, hidden, wc, bc, tokens, conf, K, V, R, D, stride_a,
     stride_bn, stride_bk, stride_bv, stride_hn, stride_hk, stride_hd,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_CONF: tl.constexpr,
 ):  # fmt: skip
@@ -44,7 +44,7 @@ def markov_chain_kernel(
         wc_h = tl.load(wc + o_d, mask=in_d, other=0.0).to(tl.float32)
         wc_e = tl.load(wc + D + o_r, mask=in_r, other=0.0).to(tl.float32)
         bc_v = tl.load(bc).to(tl.float32)
-    prev = tl.load(anchors + n)
+    prev = tl.load(anchors + n * stride_a).to(tl.int64)
     for k in range(K):
         e = tl.load(w1 + prev * R + o_r, mask=in_r, other=0.0).to(tl.float32)
         if HAS_CONF:
@@ -105,7 +105,7 @@ def markov_chain_greedy_triton(
     markov_chain_kernel[(n,)](
         base, anchor_ids, w1.contiguous(), w2.contiguous(),
         hidden if has_conf else base, conf_weight.contiguous() if has_conf else w1,
-        conf_bias if has_conf else w1, tokens, conf if has_conf else base, k, v, r, d,
+        conf_bias if has_conf else w1, tokens, conf if has_conf else base, k, v, r, d, anchor_ids.stride(0),
         *base.stride(), *hidden_strides,
         BLOCK_V=min(next_pow2(v), max(TILE_ELEMENTS // block_r, 16)), BLOCK_R=block_r,
         BLOCK_D=next_pow2(d) if has_conf else 1, HAS_CONF=has_conf, num_warps=8,
