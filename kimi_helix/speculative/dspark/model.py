@@ -74,6 +74,7 @@ class DSparkAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self._qkv_pack = WeightPack()
+        self.backends = BackendChoice()  # the drafter's choice, set by `DSparkDrafter.set_backends`
 
     def _qkv(self) -> list[nn.Linear]:
         m = self._modules
@@ -91,7 +92,8 @@ class DSparkAttention(nn.Module):
         """Per-head RMSNorm then RoPE: k [..., C, H*hd], positions [..., C] -> [..., C, H, hd]."""
         shape = (*k.shape[:-1], self.num_heads, self.head_dim)
         k = norm(k.view(shape))
-        return apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta).view(shape)
+        k = apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta, self.backends.kernels)
+        return k.view(shape)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., C, d], positions [..., C] -> k, v [..., C, H, hd] (k normed and rotated)."""
@@ -153,7 +155,7 @@ class DSparkDrafter(PreTrainedModel):
         self.post_init()
 
     def set_backends(self, backends: BackendChoice) -> None:
-        """Route the kernel calls of the drafter (its norms, MLP, Markov chain) through `backends`, as
+        """Route the kernel calls of the drafter (norms, rotary, MLP, Markov chain) through `backends`, as
         `KimiK3Model.set_backends` does for the target."""
         for module in self.modules():
             if hasattr(module, "backends"):
