@@ -20,9 +20,9 @@ def check_markov_args(base, anchor_ids, w1, w2, hidden, conf_weight, conf_bias) 
     n, k, v = base.shape
     if anchor_ids.shape != (n,) or anchor_ids.dtype != torch.int64:
         raise ValueError(f"anchor_ids must be int64 [N]=[{n}], got {anchor_ids.dtype} {list(anchor_ids.shape)}")
-    if w1.dim() != 2 or w1.shape[0] != v or w2.shape != w1.shape or w2.dtype != w1.dtype:
+    if w1.dim() != 2 or w1.shape[0] != v or w1.shape[1] < 1 or w2.shape != w1.shape or w2.dtype != w1.dtype:
         shapes = f"{w1.dtype} {list(w1.shape)} and {w2.dtype} {list(w2.shape)}"
-        raise ValueError(f"w1 and w2 must both be [V, r] with V={v}, of one dtype, got {shapes}")
+        raise ValueError(f"w1 and w2 must both be [V, r] with V={v} and r >= 1, of one dtype, got {shapes}")
     if (hidden is None) != (conf_weight is None) or (conf_weight is None) != (conf_bias is None):
         raise ValueError("hidden, conf_weight and conf_bias are given together (a confidence head) or not at all")
     if hidden is not None:
