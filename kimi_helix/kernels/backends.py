@@ -25,6 +25,7 @@ PHASES = ("prefill", "decode", "verify")
 # The ops of the switch; the same names are the dispatching functions (`kernels.kda.chunk_kda`, ...).
 OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "fused_experts")
 OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul", "linear")  # the fused ops of the decode step
+OPS += ("markov_chain_greedy",)  # the DSpark drafter's greedy Markov chain
 ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
 KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
@@ -177,6 +178,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     from .conv import triton as conv_triton
     from .kda import chunk, fused_recurrent
     from .linear import triton as linear_triton
+    from .markov import triton as markov_triton
     from .mla import decode, prefill, sdpa
     from .moe import triton as moe_triton
     from .norm import triton as norm_triton
@@ -198,6 +200,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "moe_router": router_triton.CAPS,
         "silu_mul": activation_triton.CAPS,
         "linear": linear_triton.CAPS,
+        "markov_chain_greedy": markov_triton.CAPS,
     }
     torch_ops = {"mla_prefill": REFERENCE_PREFILL_CAPS, "mla_decode": REFERENCE_DECODE_CAPS}
     torch_ops |= {"mla_verify": REFERENCE_DECODE_CAPS} | {op: REFERENCE_OP_CAPS for op in OPS}
@@ -252,8 +255,9 @@ class BackendChoice:
     """The backends one model is forced to, read once when the model or `LLM` is built and passed to its ops.
 
     `attention` forces MLA attention ("torch", "triton", "sdpa"); `kernels` forces KDA, the short conv, the norms,
-    rotary, the router and the MoE experts ("torch", "triton"). None: automatic, per call, from the declared
-    capabilities. The projections' `linear` is always automatic: its Triton GEMV serves decode sizes only.
+    rotary, the router, the MoE experts and the DSpark drafter's Markov chain ("torch", "triton"). None: automatic,
+    per call, from the declared capabilities. The projections' `linear` is always automatic: its Triton GEMV serves
+    decode sizes only.
     """
 
     attention: str | None = None

@@ -313,6 +313,7 @@ def build_speculative_decoder(spec: SpeculativeConfig, llm, proposer) -> Specula
     elif spec.method == "dspark":
         drafter = DSparkDrafter.from_pretrained(spec.model, dtype=model.dtype, device=llm.device)
         drafter.bind_target(model)
+        drafter.set_backends(llm.backends)
         graphs = llm.runner.graphs is not None and llm.runner.graphs.use_graphs  # CUDA, one process, not eager
         proposer = DSparkProposer(drafter, llm.scheduler.max_num_seqs, use_graphs=graphs)
     rate = None

@@ -28,6 +28,7 @@ from kimi_helix.kernels.backends import (
 from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
 from kimi_helix.kernels.kda import chunk_kda, fused_recurrent_kda
 from kimi_helix.kernels.linear import linear
+from kimi_helix.kernels.markov import markov_chain_greedy
 from kimi_helix.kernels.mla import mla_decode, mla_prefill
 from kimi_helix.kernels.moe import fused_experts
 from kimi_helix.kernels.norm import add_rms_norm, gated_rms_norm
@@ -229,6 +230,10 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
         return silu_mul(rand(3, 16), rand(3, 16), backend=backend)
     if r.op == "linear":
         return linear(rand(r.rows, 16), [rand(24, 16), rand(8, 16)], backend=backend)
+    if r.op == "markov_chain_greedy":
+        base, anchors = torch.randn(2, 3, 40, generator=g), torch.tensor([5, 39])
+        conf = (rand(2, 3, 16), rand(16 + 8), rand(1))
+        return markov_chain_greedy(base, anchors, rand(40, 8), rand(40, 8), *conf, backend=backend)[1]
     assert r.op == "fused_experts", r.op
     ids = torch.tensor([[0, 1], [2, 0], [1, 3]])
     weights = torch.rand(3, 2, generator=g)

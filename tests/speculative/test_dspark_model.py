@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel
 
+from kimi_helix.kernels.backends import BackendChoice
 from kimi_helix.modeling import CheckpointError
 from kimi_helix.speculative.dspark import DSparkDrafter, TargetFeatureCapture
 
@@ -131,3 +132,28 @@ def test_rank_zero_drafter_has_no_markov_head(target):
     assert d.markov_embed is None and d.confidence_head.in_features == 64
     ids = torch.randint(0, 256, (1, 10))
     assert d(ids, _features(target, ids), torch.tensor([[1]])).logits.shape == (1, 1, 4, 320)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_draft_is_the_slot_by_slot_chain(target, drafter, backend):
+    """An all-greedy batch drafts through the fused Markov chain (`markov_chain_greedy`, the backend the engine
+    forces); it gives the tokens and confidences of the slot-by-slot loop the sampled path keeps."""
+    torch.manual_seed(5)
+    n, p, g = 3, 9, drafter.config.block_size
+    with torch.no_grad():
+        drafter.markov_proj.weight.normal_(0.0, 0.5)  # a Markov correction strong enough to change tokens
+    drafter.set_backends(BackendChoice(kernels=backend))
+    assert drafter.norm.backends.kernels == backend
+    ids = torch.randint(0, 256, (n, p + 1))
+    anchors, positions, valid = ids[:, p], torch.full((n,), p), torch.ones(n, p, dtype=torch.bool)
+    ctx_pos = torch.arange(p).expand(n, p)
+    ctx = drafter.context_keys_values(_features(target, ids)[:, :p], ctx_pos)
+    draft = drafter.draft(anchors, positions, ctx, valid, g, [0.0] * n, [None] * n)
+    block = torch.full((n, g), drafter.config.mask_token_id)
+    block[:, 0] = anchors
+    hidden = drafter.backbone(block, positions, ctx, ctx_pos, valid)
+    base = target.lm_head(hidden).float()
+    tokens, _, conf = drafter._draft_chain(anchors, hidden, base, [], [0.0] * n, [None] * n, False)
+    assert torch.equal(draft.tokens, tokens)
+    torch.testing.assert_close(draft.confidence, conf)
+    assert torch.equal(draft.probs, torch.nn.functional.one_hot(tokens, drafter.config.vocab_size).float())

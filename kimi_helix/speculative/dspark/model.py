@@ -26,7 +26,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from ...kernels.backends import BackendChoice
 from ...kernels.linear import linear
+from ...kernels.markov import markov_chain_greedy
 from ...modeling.checkpoint import CheckpointError
 from ...modeling.layers import RMSNorm, SwiGLU, apply_rotary, fused_projections
 from ...modeling.packing import WeightPack
@@ -72,6 +74,7 @@ class DSparkAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self._qkv_pack = WeightPack()
+        self.backends = BackendChoice()  # the drafter's choice, set by `DSparkDrafter.set_backends`
 
     def _qkv(self) -> list[nn.Linear]:
         m = self._modules
@@ -89,7 +92,8 @@ class DSparkAttention(nn.Module):
         """Per-head RMSNorm then RoPE: k [..., C, H*hd], positions [..., C] -> [..., C, H, hd]."""
         shape = (*k.shape[:-1], self.num_heads, self.head_dim)
         k = norm(k.view(shape))
-        return apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta).view(shape)
+        k = apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta, self.backends.kernels)
+        return k.view(shape)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., C, d], positions [..., C] -> k, v [..., C, H, hd] (k normed and rotated)."""
@@ -147,7 +151,15 @@ class DSparkDrafter(PreTrainedModel):
         self.markov_proj = nn.Linear(r, config.vocab_size, bias=False) if r else None  # W2
         self.confidence_head = nn.Linear(d + r, 1) if config.enable_confidence_head else None
         self._target_io: tuple[nn.Embedding, nn.Linear] | None = None  # the target's, not registered here
+        self.backends = BackendChoice()  # the engine's choice, set by `set_backends`
         self.post_init()
+
+    def set_backends(self, backends: BackendChoice) -> None:
+        """Route the kernel calls of the drafter (norms, rotary, MLP, Markov chain) through `backends`, as
+        `KimiK3Model.set_backends` does for the target."""
+        for module in self.modules():
+            if hasattr(module, "backends"):
+                module.backends = backends
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -308,6 +320,33 @@ class DSparkDrafter(PreTrainedModel):
         ctx_pos = torch.arange(ctx_valid.shape[1], device=device).expand_as(ctx_valid)
         hidden = self.backbone(block, anchor_positions, ctx, ctx_pos, ctx_valid)[:, :num_tokens]
         base = self._io()[1](hidden).float()
+        if not sampled and self.markov_embed is not None:
+            # the whole chain and the confidence head in one op: one Triton launch where the switch picks it
+            head = self.confidence_head
+            conf_args = () if head is None else (hidden, head.weight[0], head.bias)
+            embed, proj = self.markov_embed.weight, self.markov_proj.weight
+            tokens, conf = markov_chain_greedy(base, anchor_ids, embed, proj, *conf_args, backend=self.backends.kernels)
+            probs = None
+        else:
+            tokens, probs, conf = self._draft_chain(
+                anchor_ids, hidden, base, sampled, temperatures, generators, with_probs
+            )
+        if with_probs:
+            one_hot = F.one_hot(tokens, base.shape[-1]).float()
+            if probs is None:
+                probs = one_hot
+            else:  # greedy rows draw from a point mass
+                greedy = torch.tensor([i not in sampled for i in range(n)], device=device)
+                probs = torch.where(greedy[:, None, None], one_hot, probs)
+        return Draft(tokens, probs, conf)
+
+    def _draft_chain(self, anchor_ids, hidden, base, sampled, temperatures, generators, with_probs):
+        """`draft`'s chain slot by slot, where some rows sample (`sampled`, their indices) or there is no Markov
+        head: hidden [N, K, d], base [N, K, V] fp32 -> (tokens [N, K], the distributions [N, K, V] when
+        `with_probs` and some row samples else None, confidence [N, K] or None)."""
+        from ...engine.sampling import GREEDY_TEMPERATURE
+
+        n, num_tokens, device = anchor_ids.shape[0], base.shape[1], anchor_ids.device
         if sampled:
             temps = torch.tensor([max(t, GREEDY_TEMPERATURE) for t in temperatures], device=device)[:, None]
             rows = torch.tensor(sampled, device=device)
@@ -332,14 +371,7 @@ class DSparkDrafter(PreTrainedModel):
         if self.confidence_head is not None:  # every slot at once: it reads the chain's tokens, never feeds it
             prevs = torch.cat([anchor_ids[:, None], tokens[:, :-1]], dim=1)
             conf = torch.sigmoid(self.confidence_logits(hidden, prevs))
-        if with_probs:
-            one_hot = F.one_hot(tokens, base.shape[-1]).float()
-            if probs is None:
-                probs = one_hot
-            else:  # greedy rows draw from a point mass
-                greedy = torch.tensor([i not in sampled for i in range(n)], device=device)
-                probs = torch.where(greedy[:, None, None], one_hot, probs)
-        return Draft(tokens, probs, conf)
+        return tokens, probs, conf
 
     # ---------------------------------------------------------------- checkpoints
     def save_pretrained(self, save_directory, **kwargs) -> None:
