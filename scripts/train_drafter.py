@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import sys
@@ -43,7 +42,6 @@ from kimi_helix.kernels.backends import BackendChoice
 from kimi_helix.modeling import KimiK3ForCausalLM
 from kimi_helix.presets import get_preset
 from kimi_helix.speculative.dspark import DSparkConfig, DSparkDrafter, TargetFeatureCapture, default_target_layer_ids
-from kimi_helix.speculative.dspark import model as dspark_model
 from kimi_helix.speculative.dspark.loss import dspark_loss
 
 STATE_FILE = "train_state.json"
@@ -183,19 +181,17 @@ def build_drafter(args, target, device) -> DSparkDrafter:
 
 @contextlib.contextmanager
 def reference_kernels(drafter: DSparkDrafter):
-    """Run the drafter's norms, SwiGLU and rotary on their torch references inside the block.
+    """Run the drafter's norms, SwiGLU and rotary on their torch references inside the block (each follows its
+    module's `backends`).
 
     On the GPU those ops dispatch to Triton kernels, which are forward-only: gradients would stop at each of them
     and only the heads past the final norm would train. The target keeps its kernels (it runs without grad)."""
     saved = [(m, m.backends) for m in drafter.modules() if isinstance(getattr(m, "backends", None), BackendChoice)]
-    rotary = dspark_model.apply_rotary
     for m, choice in saved:
         m.backends = BackendChoice(attention=choice.attention, kernels="torch")
-    dspark_model.apply_rotary = functools.partial(rotary, backend="torch")
     try:
         yield drafter
     finally:
-        dspark_model.apply_rotary = rotary
         for m, choice in saved:
             m.backends = choice
 
