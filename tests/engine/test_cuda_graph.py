@@ -13,6 +13,7 @@ import torch
 
 from kimi_helix import KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.engine import LLM, SamplingParams
+from kimi_helix.engine.async_scheduling import PLACEHOLDER
 from kimi_helix.engine.cuda_graph import SCRATCH_SEQ_ID, GraphKey, StepGraphs, default_buckets
 from kimi_helix.engine.scheduler import ScheduledStep
 from kimi_helix.modeling.batch import Phase
@@ -48,7 +49,7 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(3, 128, (m,), generator=g).tolist() for m in lens]
 
 
-def _llm(model, graphs: bool, kv_cache_dtype: str = "auto") -> LLM:
+def _llm(model, graphs: bool, kv_cache_dtype: str = "auto", **engine) -> LLM:
     """An engine with graphs (real ones on CUDA, static-buffer steps on the CPU) or without; its verify graphs
     take the hand-set drafts of these tests (up to 8, `max_draft_tokens`)."""
     on_cuda = next(model.parameters()).is_cuda
@@ -60,6 +61,7 @@ def _llm(model, graphs: bool, kv_cache_dtype: str = "auto") -> LLM:
         page_size=16,
         kv_cache_dtype=kv_cache_dtype,
         max_draft_tokens=8,
+        **engine,
     )
     if graphs and not on_cuda:
         llm.runner.graphs = StepGraphs(llm.runner, use_graphs=False)
@@ -84,12 +86,18 @@ def test_graph_decode_gives_the_eager_tokens(device, num_prompts, kv_cache_dtype
 
 
 def _prefilled(llm: LLM, prompts: list[list[int]]):
-    """Requests whose prompts are prefilled and first tokens sampled (eager steps): ready to decode or verify."""
+    """Requests whose prompts are prefilled and first tokens sampled (eager steps): ready to decode or verify.
+
+    With asynchronous scheduling (on by default on CUDA) the last step's tokens are still placeholders on the host:
+    they are read here, since the tests then drive `runner.run` by hand, which patches no input row."""
     requests = [llm._make_request(p, GREEDY) for p in prompts]
     for r in requests:
         llm.scheduler.add(r)
     while any(r.prefilling or not r.output_ids for r in requests):
         llm.step()
+    if llm.async_scheduling is not None:
+        llm.async_scheduling.drain()
+    assert all(PLACEHOLDER not in r.output_ids for r in requests)
     return requests
 
 
