@@ -51,7 +51,10 @@ def _prompts(n: int) -> list[list[int]]:
 
 def _llm(model, graphs: bool, kv_cache_dtype: str = "auto", **engine) -> LLM:
     """An engine with graphs (real ones on CUDA, static-buffer steps on the CPU) or without; its verify graphs
-    take the hand-set drafts of these tests (up to 8, `max_draft_tokens`)."""
+    take the hand-set drafts of these tests (up to 8, `max_draft_tokens`). Synchronous unless `engine` says
+    otherwise: the tests schedule and run steps by hand, and an asynchronous step leaves its tokens on the device
+    (`test_async_scheduling.py` covers graphs with overlapped steps)."""
+    engine.setdefault("async_scheduling", False)
     on_cuda = next(model.parameters()).is_cuda
     llm = LLM(
         model,
@@ -79,7 +82,7 @@ def test_graph_decode_gives_the_eager_tokens(device, num_prompts, kv_cache_dtype
     model = _model(device)
     prompts = _prompts(num_prompts)
     eager = [o.token_ids for o in _llm(model, False, kv_cache_dtype).generate(prompts, GREEDY)]
-    llm = _llm(model, True, kv_cache_dtype)
+    llm = _llm(model, True, kv_cache_dtype, async_scheduling=None)  # the engine's default: overlapped on CUDA
     graphed = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert graphed == eager
     assert any(k.phase is Phase.DECODE for k in llm.runner.graphs.graphs), llm.runner.graphs.uncapturable
@@ -88,15 +91,12 @@ def test_graph_decode_gives_the_eager_tokens(device, num_prompts, kv_cache_dtype
 def _prefilled(llm: LLM, prompts: list[list[int]]):
     """Requests whose prompts are prefilled and first tokens sampled (eager steps): ready to decode or verify.
 
-    With asynchronous scheduling (on by default on CUDA) the last step's tokens are still placeholders on the host:
-    they are read here, since the tests then drive `runner.run` by hand, which patches no input row."""
+    The tests then drive `runner.run` by hand, which patches no input row: no token may still be on the device."""
     requests = [llm._make_request(p, GREEDY) for p in prompts]
     for r in requests:
         llm.scheduler.add(r)
     while any(r.prefilling or not r.output_ids for r in requests):
         llm.step()
-    if llm.async_scheduling is not None:
-        llm.async_scheduling.drain()
     assert all(PLACEHOLDER not in r.output_ids for r in requests)
     return requests
 

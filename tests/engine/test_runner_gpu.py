@@ -49,7 +49,7 @@ def test_graphed_steps_never_sync_the_host():
 
 def test_a_greedy_engine_step_syncs_once():
     """A synchronous step (asynchronous scheduling off: `test_async_scheduling.py` covers the overlapped one)."""
-    llm = _llm(_model("cuda"), graphs=True, async_scheduling=False)
+    llm = _llm(_model("cuda"), graphs=True)
     _prefilled(llm, _prompts(3))
     llm.step()  # captures the decode graph
     assert _syncs_of(llm.step) == 1  # the sampled tokens' copy-out
