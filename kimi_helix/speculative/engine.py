@@ -28,7 +28,7 @@ from ..modeling.batch import Phase
 from ..modeling.checkpoint import read_config
 from .dspark.capture import TargetFeatureCapture
 from .dspark.config import DSparkConfig
-from .dspark.drafting import PinnedUpload
+from .dspark.drafting import PinnedDownload, PinnedUpload
 from .dspark.model import DSparkDrafter
 from .proposers import DeviceDrafts, DSparkProposer, NgramProposer, Proposal, ProposalRequest, Proposer
 from .scheduling import StepRateTable, cached_step_rate, confidence_schedule, profile_step_rate
@@ -95,6 +95,7 @@ class SpeculativeDecoder:
         self._on_device: DeviceDrafts | None = None  # this round's drafts left on the device, and their rows
         self._device_rows: dict[int, int] = {}
         self._patch = PinnedUpload(2, 64, self.device)  # (input row, draft index) pairs of a patch
+        self._verified = PinnedDownload(self.device)  # a round's drafts and argmax rows, on their way to the host
         self.capture = (
             TargetFeatureCapture(model, proposer.target_layer_ids, max_tokens).attach()
             if proposer.target_layer_ids
@@ -152,12 +153,18 @@ class SpeculativeDecoder:
     def _read_back(self, step, best: torch.Tensor | None) -> list[int]:
         """Read this round's device drafts (if any) and the greedy groups' argmax rows `best` [R] (if any) in ONE
         copy to the host (the round's one sync: it also waits for the verify step queued after the drafts); the
-        drafts replace their placeholders in `step`. Returns `best` on the host ([] without it)."""
+        drafts replace their placeholders in `step`. Returns `best` on the host ([] without it).
+
+        The next round's drafts are launched after the copy is queued and before the host waits for it
+        (`_draft_ahead`), so the drafter runs while the host accepts, rolls back and stages the next step."""
         drafts, self._on_device = self._on_device, None
         parts = [t for t in (None if drafts is None else drafts.tokens.view(-1), best) if t is not None]
         if not parts:
             return []
-        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        self._verified.fetch(parts[0] if len(parts) == 1 else torch.cat(parts))
+        if drafts is not None and best is not None:
+            self._draft_ahead(step, drafts, best)
+        host = self._verified.result().tolist()
         if drafts is None:
             return host
         k, n = drafts.tokens.shape[1], drafts.tokens.numel()
@@ -165,6 +172,18 @@ class SpeculativeDecoder:
             step.token_ids[i][1:] = host[row * k : row * k + m]
             step.requests[i].draft_token_ids = step.token_ids[i][1:]
         return host[n:]
+
+    def _draft_ahead(self, step, drafts: DeviceDrafts, best: torch.Tensor) -> None:
+        """`Proposer.draft_ahead` when `step` is exactly this round's verify groups, in their draft rows' order,
+        each with all k drafts and greedy (so `best` [N * (k + 1)] is their argmax rows in order)."""
+        n, k = drafts.tokens.shape
+        if len(step.requests) != n or best.shape[0] != n * (k + 1):
+            return
+        for i, (request, phase, tokens) in enumerate(zip(step.requests, step.phases, step.token_ids)):
+            row = self._device_rows.get(request.request_id)
+            if phase is not Phase.VERIFY or row != i or len(tokens) != k + 1 or not request.params.greedy:
+                return
+        self.proposer.draft_ahead([r.request_id for r in step.requests], best.view(n, k + 1), drafts.tokens)
 
     def _device_groups(self, step):
         """(index in the step, row of this round's device drafts, first packed token, drafts kept) of each verify

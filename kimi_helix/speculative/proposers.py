@@ -10,7 +10,7 @@ See docs/speculative.md for writing a custom proposer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +18,7 @@ import torch
 
 from ..engine.cuda_graph import default_buckets
 from ..engine.sampling import GREEDY_TEMPERATURE
-from .dspark.drafting import ContextCache, DraftGraphs, PinnedUpload, greedy_draft
+from .dspark.drafting import ContextCache, DraftGraphs, PinnedDownload, PinnedUpload, greedy_draft
 from .dspark.model import DSparkDrafter
 
 
@@ -54,6 +54,28 @@ class DeviceDrafts:
     counts: list[int]
 
 
+@dataclass
+class _GreedyRound:
+    """A greedy round of `DSparkProposer.propose_on_device`: its requests, drafts k, device inputs [3, N] (the
+    graph's static inputs or the eager upload) and `redraft`, which drafts again from those inputs as they stand."""
+
+    seq_ids: tuple[int, ...]
+    k: int
+    inputs: torch.Tensor
+    redraft: Callable[[], torch.Tensor | None]
+
+
+@dataclass
+class _DraftAhead:
+    """Drafts launched by `DSparkProposer.draft_ahead`: `packed` as `greedy_draft`'s, from the inputs the device
+    derived, which `derived` holds on their way to the host."""
+
+    round: _GreedyRound
+    packed: torch.Tensor
+    derived: PinnedDownload
+    generation: int
+
+
 class Proposer:
     """The protocol, with no-op defaults for proposers that keep no per-request state."""
 
@@ -69,6 +91,14 @@ class Proposer:
         into the verify step's inputs on the device and reads them once, with the verification). None: not
         offered for these requests (the default), and `propose` serves them."""
         return None
+
+    def draft_ahead(self, seq_ids: Sequence[int], argmax: torch.Tensor, drafts: torch.Tensor) -> bool:
+        """Optional: launch the next round's greedy drafts before the host reads this round's verification.
+        seq_ids: the requests of this round's `propose_on_device`, in order; argmax [N, k + 1]: the target's
+        greedy tokens at each verify group's rows (device); drafts [N, k]: the group's drafts (device). The
+        next `propose_on_device` serves them only if its requests, anchors and positions are exactly those the
+        device derived here. False (the default): nothing launched."""
+        return False
 
     def observe(self, seq_id: int, start: int, features: torch.Tensor) -> None:
         """Captured target features [n, m*d] of the tokens at positions start..start+n-1 of `seq_id`."""
@@ -143,6 +173,10 @@ class DSparkProposer(Proposer):
         self.graphs = DraftGraphs(drafter, self.cache, default_buckets(max_seqs)) if use_graphs else None
         self._observed = PinnedUpload(2, 64, device)  # per-token (slot, position) of observe_step, grown as needed
         self._asked = PinnedUpload(3, max_seqs, device)  # per-request (anchor, position, slot) of eager rounds
+        self._round: _GreedyRound | None = None  # the last greedy round, which `draft_ahead` continues
+        self._ahead: _DraftAhead | None = None
+        self._derived = PinnedDownload(device)
+        self.drafted_ahead = self.served_ahead = 0  # rounds drafted by `draft_ahead`, and those then served
 
     def context_len(self, seq_id: int) -> int:
         return self.cache.length.get(seq_id, 0)
@@ -189,6 +223,7 @@ class DSparkProposer(Proposer):
         self.cache.release(seq_id)
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        self._ahead = self._round = None  # a replay here may overwrite drafts launched ahead
         if not requests:
             return []
         inputs, k, greedy = self._inputs(requests)
@@ -215,12 +250,56 @@ class DSparkProposer(Proposer):
         if not requests:
             return None
         inputs, k, greedy = self._inputs(requests)
+        ahead, self._ahead, self._round = self._ahead, None, None
         if not greedy:
             return None
-        packed = self.graphs.run(inputs, k) if self.graphs is not None else None
-        if packed is None:
-            packed = greedy_draft(self.drafter, self.cache, self._upload(inputs), k)
+        seq_ids = tuple(r.seq_id for r in requests)
+        if self._serves(ahead, seq_ids, inputs, k):
+            packed, self._round = ahead.packed, ahead.round
+            self.served_ahead += 1
+        else:
+            packed, self._round = self._greedy_round(seq_ids, inputs, k)
         return DeviceDrafts(packed[:, :k].long(), [min(r.num_tokens, k) for r in requests])
+
+    def _serves(self, ahead: _DraftAhead | None, seq_ids, inputs: np.ndarray, k: int) -> bool:
+        """Whether the drafts launched ahead are this round's: same requests and k, and the anchors, positions
+        and slots the device derived equal the host's own `inputs` (so a device/host disagreement only costs
+        a redraft)."""
+        if ahead is None or ahead.round.seq_ids != seq_ids or ahead.round.k != k:
+            return False
+        return ahead.generation == self.cache.generation and np.array_equal(ahead.derived.result(), inputs)
+
+    def _greedy_round(self, seq_ids, inputs: np.ndarray, k: int) -> tuple[torch.Tensor, _GreedyRound]:
+        """Draft from the host `inputs` [3, N]: (packed [N, 2k], the round, for `draft_ahead`)."""
+        n = inputs.shape[1]
+        if self.graphs is not None:
+            packed = self.graphs.run(inputs, k)
+            if packed is not None:
+                graphs = self.graphs
+                return packed, _GreedyRound(seq_ids, k, graphs.inputs.dev[:, :n], lambda: graphs.replay(n, k))
+        dev = self._upload(inputs)
+        redraft = lambda: greedy_draft(self.drafter, self.cache, dev, k)  # noqa: E731
+        return redraft(), _GreedyRound(seq_ids, k, dev, redraft)
+
+    @torch.no_grad()
+    def draft_ahead(self, seq_ids: Sequence[int], argmax: torch.Tensor, drafts: torch.Tensor) -> bool:
+        """Greedy acceptance on the device: request i keeps its first a_i drafts (those equal to the target's
+        argmax), so its next anchor is argmax[i, a_i] at position p_i + a_i + 1, and its draft context then
+        holds exactly the rows before it (the context write of this step came first). The last round's device
+        inputs are rewritten to those and drafted from again, with nothing read on the host."""
+        last, self._round = self._round, None
+        if last is None or tuple(seq_ids) != last.seq_ids or drafts.shape != (len(last.seq_ids), last.k):
+            return False
+        accepted = (argmax[:, :-1] == drafts).cumprod(dim=1).sum(dim=1)
+        last.inputs[0].copy_(argmax.gather(1, accepted[:, None])[:, 0])
+        last.inputs[1].add_(accepted + 1)
+        self._derived.fetch(last.inputs)
+        packed = last.redraft()
+        if packed is None:
+            return False
+        self._ahead = _DraftAhead(last, packed, self._derived, self.cache.generation)
+        self.drafted_ahead += 1
+        return True
 
     def _inputs(self, requests: Sequence[ProposalRequest]) -> tuple[np.ndarray, int, bool]:
         """(the draft forward's inputs [3, N]: anchors, their positions, slots; the drafts k; all greedy?)"""

@@ -166,7 +166,8 @@ def test_graphed_target_steps_capture_the_eager_features(tmp_path):
 @pytest.mark.gpu
 def test_dspark_on_the_demo_model_with_graphs_equals_plain_greedy_fp32():
     """The demo model and its shipped drafter in fp32 on the GPU, target and draft graphs on, k=5, two prompts
-    at once: DSpark's greedy output equals plain greedy decoding's token for token."""
+    at once: DSpark's greedy output equals plain greedy decoding's token for token, with the next round's drafts
+    replayed from the device's acceptance (`draft_ahead`) and served."""
     _cuda()
     prompts = [[5, 17, 99, 240, 31, 8], [77, 1000, 12, 5]]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -177,3 +178,4 @@ def test_dspark_on_the_demo_model_with_graphs_equals_plain_greedy_fp32():
     assert any(key.phase is Phase.VERIFY for key in llm.runner.graphs.graphs)
     graphs = llm.speculative.proposer.graphs
     assert graphs.graphs and graphs.writes and not graphs.failed and llm.speculative.metrics.rounds > 0
+    assert llm.speculative.proposer.served_ahead > 0

@@ -54,3 +54,28 @@ def test_shipped_drafter_is_the_default_and_exact(plain):
     llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
     assert llm.speculative.metrics.rounds > 0
+    assert llm.speculative.metrics.tau > 2  # the trained drafter: rounds accepted drafts
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_drafts_launched_ahead_are_served_only_when_the_host_agrees(plain, batch, monkeypatch):
+    """Each greedy round launches the next round's drafts from the device's own acceptance (`draft_ahead`);
+    they are served when the anchors and positions the device derived equal the host's. With the device's
+    view corrupted (every argmax id moved by one), none is served and the output is still plain greedy."""
+    spec = {"method": "dspark", "num_speculative_tokens": 5}
+    llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
+    proposer = llm.speculative.proposer
+    assert [o.token_ids for o in llm.generate(PROMPTS[:batch], GREEDY)] == plain[:batch]
+    assert proposer.served_ahead >= llm.speculative.metrics.rounds // batch - 2  # all but the first and last few
+
+    llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
+    proposer = llm.speculative.proposer
+    draft_ahead = proposer.draft_ahead
+    monkeypatch.setattr(proposer, "draft_ahead", lambda ids, best, drafts: draft_ahead(ids, _off_by_one(best), drafts))
+    assert [o.token_ids for o in llm.generate(PROMPTS[:batch], GREEDY)] == plain[:batch]
+    assert proposer.drafted_ahead > 0 and proposer.served_ahead == 0
+
+
+def _off_by_one(tokens: torch.Tensor) -> torch.Tensor:
+    """Every token id moved by one, staying inside the vocab."""
+    return torch.where(tokens > 0, tokens - 1, tokens + 1)

@@ -60,6 +60,34 @@ class PinnedUpload:
         return self.dev[:, :cols]
 
 
+class PinnedDownload:
+    """A device-to-host int64 copy that does not wait: `fetch` queues it into pinned memory and records an event;
+    `result` waits for that event only, not for the work queued after it (a round's next draft), and returns the
+    host values as a numpy array of the fetched shape."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.host = torch.empty(0, dtype=torch.int64)
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self._shape: tuple[int, ...] = ()
+
+    def fetch(self, values: torch.Tensor) -> None:
+        if self._done is not None:
+            self._done.synchronize()  # the previous fetch's copy, before its buffer is reused
+        n = values.numel()
+        if self.host.numel() < n:
+            self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=torch.int64, pin_memory=self._done is not None)
+        self.host[:n].copy_(values.reshape(-1), non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+        self._shape = tuple(values.shape)
+
+    def result(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+        return self.host[: int(np.prod(self._shape))].numpy().reshape(self._shape).copy()
+
+
 class ContextCache:
     """The drafter's injected context per request slot: per layer (k, v) [slots, capacity, H, hd].
 
@@ -243,5 +271,18 @@ class DraftGraphs:
                 return None
             self.graphs[key] = recorded
         graph, out = self.graphs[key]
+        graph.replay()
+        return out[:n]
+
+    @torch.no_grad()
+    def replay(self, n: int, num_tokens: int) -> torch.Tensor | None:
+        """Draft again from the static inputs as they stand on the device (`run` staged n requests, and device
+        work may have rewritten them since): packed [n, 2 * num_tokens], or None when that graph is gone."""
+        bucket = self.bucket(n)
+        self._check_generation()
+        recorded = self.graphs.get((bucket, num_tokens))
+        if recorded is None or self.failed:
+            return None
+        graph, out = recorded
         graph.replay()
         return out[:n]
