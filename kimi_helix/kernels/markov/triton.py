@@ -1,10 +1,15 @@
-"""Triton greedy DSpark Markov chain: every draft slot's bias, argmax and confidence in one launch.
+"""Triton greedy DSpark Markov chain: every draft slot's bias, argmax and confidence in K + 1 launches.
 
 `markov_chain_greedy_ref` spends about five kernels a slot (gather, GEMV, add, argmax) and five more for the
-confidence head, which is what a batch-1 drafting round costs: launches, not FLOPs. Here one program per row walks
-the chain: for each slot it gathers W1[prev] (r values), streams W2 in [BLOCK_V, r] tiles to form the bias tile by
-tile, adds it to the slot's base logits and keeps a running argmax, then feeds the winner to the next slot. The
-confidence needs only prev and the slot's hidden state, so it is computed on the way.
+confidence head, which is what a batch-1 drafting round costs: launches, not FLOPs. Here slot k is one launch over
+a grid of (rows, vocabulary splits). Each program first reduces slot k - 1's split winners to that slot's token
+(every program redundantly: a few hundred bytes, so no grid-wide sync is needed), gathers W1[token] (r values),
+streams its share of W2 in [BLOCK_V, r] tiles to form the bias, adds the slot's base logits and writes its split's
+maximum and lowest winning id. Split 0 also writes the previous slot's token and this slot's confidence, which
+needs only the token before it and the slot's hidden state. One last launch reduces the final slot.
+
+Splitting the vocabulary spreads W2 over the SMs: one program per row would stream all of it through one SM
+each slot (10 MB at Kimi's 163840 x 32 in bf16).
 """
 
 from __future__ import annotations
@@ -16,47 +21,63 @@ import triton.language as tl
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import triton_devices
-from kimi_helix.kernels.launch import next_pow2
+from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.markov.naive import check_markov_args
 
 __all__ = ["CAPS", "markov_chain_greedy_triton"]
 
 # What the kernel serves, read by the backend switch.
 CAPS = OpCaps(triton_devices(), FLOATS)
-# elements of one W2 tile [BLOCK_V, BLOCK_R]: a single program streams all of W2 per slot, so it keeps many loads
-# in flight
-TILE_ELEMENTS = 16384
+TILE_ELEMENTS = 4096  # elements of one W2 tile [BLOCK_V, BLOCK_R]: 8 KB in 16 bits
+# Vocabulary splits per row: enough programs to spread W2 over the SMs, few enough that every program of the
+# next slot re-reduces the winners cheaply.
+MAX_SPLITS = 128
 
 
 @triton.jit
-def markov_chain_kernel(
-    base, anchors, w1, w2, hidden, wc, bc, tokens, conf, K, V, R, D, stride_a,
+def markov_slot_kernel(
+    base, anchors, w1, w2, hidden, wc, bc, tokens, conf, part_m, part_i, k, K, V, R, D, S, CHUNK, stride_a,
     stride_bn, stride_bk, stride_bv, stride_hn, stride_hk, stride_hd,
-    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_CONF: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_CONF: tl.constexpr, FINAL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64)
-    o_r = tl.arange(0, BLOCK_R)
-    in_r = o_r < R
-    o_v = tl.arange(0, BLOCK_V)
-    o_d = tl.arange(0, BLOCK_D)
-    in_d = o_d < D
-    if HAS_CONF:
-        wc_h = tl.load(wc + o_d, mask=in_d, other=0.0).to(tl.float32)
-        wc_e = tl.load(wc + D + o_r, mask=in_r, other=0.0).to(tl.float32)
-        bc_v = tl.load(bc).to(tl.float32)
-    prev = tl.load(anchors + n * stride_a).to(tl.int64)
-    for k in range(K):
+    s = tl.program_id(1)
+    # the token before slot k: the anchor, or the argmax over slot k - 1's split winners (lowest id on ties; 0
+    # when no value beats -inf, as when every logit is -inf or NaN)
+    if k == 0:
+        prev = tl.load(anchors + n * stride_a).to(tl.int64)
+    else:
+        o_s = tl.arange(0, BLOCK_S)
+        winners = (n * K + k - 1) * S + o_s
+        pm = tl.load(part_m + winners, mask=o_s < S, other=float("-inf"))
+        pi = tl.load(part_i + winners, mask=o_s < S, other=V)
+        i = tl.min(tl.where(pm == tl.max(pm, axis=0), pi, V), axis=0)
+        prev = tl.where(i < V, i, 0).to(tl.int64)
+    if FINAL:
+        tl.store(tokens + n * K + k - 1, prev)
+    else:
+        o_r = tl.arange(0, BLOCK_R)
+        in_r = o_r < R
         e = tl.load(w1 + prev * R + o_r, mask=in_r, other=0.0).to(tl.float32)
-        if HAS_CONF:
-            h = tl.load(hidden + n * stride_hn + k * stride_hk + o_d * stride_hd, mask=in_d, other=0.0)
-            logit = tl.sum(h.to(tl.float32) * wc_h, axis=0) + tl.sum(e * wc_e, axis=0) + bc_v
-            # the head's Linear returns its weight's dtype; the sigmoid runs on that value in fp32
-            logit = logit.to(wc.dtype.element_ty).to(tl.float32)
-            tl.store(conf + n * K + k, tl.sigmoid(logit))
+        if s == 0:
+            if k > 0:
+                tl.store(tokens + n * K + k - 1, prev)
+            if HAS_CONF:
+                o_d = tl.arange(0, BLOCK_D)
+                in_d = o_d < D
+                h = tl.load(hidden + n * stride_hn + k * stride_hk + o_d * stride_hd, mask=in_d, other=0.0)
+                wc_h = tl.load(wc + o_d, mask=in_d, other=0.0).to(tl.float32)
+                wc_e = tl.load(wc + D + o_r, mask=in_r, other=0.0).to(tl.float32)
+                logit = tl.sum(h.to(tl.float32) * wc_h, axis=0) + tl.sum(e * wc_e, axis=0) + tl.load(bc).to(tl.float32)
+                # the head's Linear returns its weight's dtype; the sigmoid runs on that value in fp32
+                logit = logit.to(wc.dtype.element_ty).to(tl.float32)
+                tl.store(conf + n * K + k, tl.sigmoid(logit))
+        o_v = tl.arange(0, BLOCK_V)
         best = tl.full([], float("-inf"), tl.float32)
-        best_i = tl.zeros([], tl.int64)  # stays a valid id when no value beats -inf (all -inf or NaN)
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + o_v
+        best_i = tl.full([], V, tl.int32)
+        for v0 in range(0, CHUNK, BLOCK_V):
+            v = s * CHUNK + v0 + o_v
             in_v = v < V
             w = tl.load(w2 + v[:, None] * R + o_r[None, :], mask=in_v[:, None] & in_r[None, :], other=0.0)
             # rounded to the weights' dtype as the reference's Linear output, then added in fp32
@@ -67,9 +88,9 @@ def markov_chain_kernel(
             # strictly greater: an equal maximum in a later tile loses to the earlier, lower id (torch.argmax)
             take = m > best
             best = tl.where(take, m, best)
-            best_i = tl.where(take, i.to(tl.int64), best_i)
-        tl.store(tokens + n * K + k, best_i)
-        prev = best_i
+            best_i = tl.where(take, i, best_i)
+        tl.store(part_m + (n * K + k) * S + s, best)
+        tl.store(part_i + (n * K + k) * S + s, best_i)
 
 
 # Twin of kernels/markov/naive.py:markov_chain_greedy_ref (same signature and results): a change to one belongs in
@@ -84,7 +105,7 @@ def markov_chain_greedy_triton(
     conf_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton form of :func:`kimi_helix.kernels.markov.naive.markov_chain_greedy_ref`: the same arguments and
-    results (tokens [N, K] int64, confidence [N, K] fp32 or None) in one launch, no host sync.
+    results (tokens [N, K] int64, confidence [N, K] fp32 or None) in K + 1 launches, no host sync.
 
     Args:
         base: [N, K, V] fp32 logits; anchor_ids [N] int64; w1, w2 [V, r] the Markov weights (one dtype).
@@ -100,14 +121,21 @@ def markov_chain_greedy_triton(
     if n == 0 or k == 0:
         return tokens, conf
     block_r = next_pow2(r)
+    block_v = min(next_pow2(v), max(TILE_ELEMENTS // block_r, 16))
+    chunk = cdiv(cdiv(v, min(cdiv(v, block_v), MAX_SPLITS)), block_v) * block_v  # whole tiles a split
+    splits = cdiv(v, chunk)
+    part_m = torch.empty(n, k, splits, dtype=torch.float32, device=base.device)  # each split's maximum and id
+    part_i = torch.empty(n, k, splits, dtype=torch.int32, device=base.device)
     d = hidden.shape[-1] if has_conf else 0
-    hidden_strides = hidden.stride() if has_conf else (0, 0, 0)
-    markov_chain_kernel[(n,)](
-        base, anchor_ids, w1.contiguous(), w2.contiguous(),
-        hidden if has_conf else base, conf_weight.contiguous() if has_conf else w1,
-        conf_bias if has_conf else w1, tokens, conf if has_conf else base, k, v, r, d, anchor_ids.stride(0),
-        *base.stride(), *hidden_strides,
-        BLOCK_V=min(next_pow2(v), max(TILE_ELEMENTS // block_r, 16)), BLOCK_R=block_r,
-        BLOCK_D=next_pow2(d) if has_conf else 1, HAS_CONF=has_conf, num_warps=8,
-    )  # fmt: skip
+    w1, w2 = w1.contiguous(), w2.contiguous()
+    conf_args = (hidden, conf_weight.contiguous(), conf_bias) if has_conf else (base, w1, w1)
+    for slot in range(k + 1):
+        final = slot == k
+        markov_slot_kernel[(n, 1 if final else splits)](
+            base, anchor_ids, w1, w2, *conf_args, tokens, conf if has_conf else base, part_m, part_i,
+            slot, k, v, r, d, splits, chunk, anchor_ids.stride(0), *base.stride(),
+            *(hidden.stride() if has_conf else (0, 0, 0)),
+            BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_D=next_pow2(d) if has_conf else 1,
+            BLOCK_S=next_pow2(splits), HAS_CONF=has_conf, FINAL=final, num_warps=4,
+        )  # fmt: skip
     return tokens, conf

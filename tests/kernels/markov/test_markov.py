@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from kimi_helix.kernels.markov import markov_chain_greedy, markov_chain_greedy_ref
+from kimi_helix.kernels.markov import triton as markov_triton
 from kimi_helix.kernels.markov.triton import markov_chain_greedy_triton
 
 from ..conftest import DEVICE, TOL, assert_rel_close, rnd
 
-# V spans three W2 tiles of the kernel at r = 32 (BLOCK_V = 512), so the argmax crosses tile boundaries
+# V spans 12 W2 tiles of the kernel at r = 32 (BLOCK_V = 128), one a vocabulary split, so the argmax crosses
+# tiles and splits
 V, R, D = 1500, 32, 48
 # ids whose W2 rows are equal and whose base logits tie on some slots: within a tile (600, 610) and across tiles
 TIES = {1: [1200, 610, 600], 2: [1200, 37]}  # slot % 3 -> tied ids; the lowest must win
@@ -67,6 +69,20 @@ def test_triton_matches_reference(dtype, n, k, conf):
         assert_rel_close("confidence", confidence, ref_conf, TOL[torch.float32])
     else:
         assert confidence is None and ref_conf is None
+
+
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("max_splits", [1, 2, 5])
+def test_triton_matches_reference_with_several_tiles_a_split(max_splits, monkeypatch):
+    """Fewer vocabulary splits than W2 tiles (12 at V = 1500): each program loops over several tiles, and tied
+    ids fall in one split or across splits; a row of -inf logits gives id 0, as torch.argmax does."""
+    monkeypatch.setattr(markov_triton, "MAX_SPLITS", max_splits)
+    args = _inputs(2, 5, seed=max_splits, dtype=torch.float32)
+    args[0][1, 3] = float("-inf")
+    tokens, confidence = markov_chain_greedy_triton(*args)
+    ref_tokens, ref_conf = markov_chain_greedy_ref(*args)
+    assert torch.equal(tokens, ref_tokens) and tokens[1, 3] == 0
+    assert_rel_close("confidence", confidence, ref_conf, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
