@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_moe.py"
+from .conftest import load_script
 
 
 def test_bench_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_moe", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_moe")
     bench.main(["--smoke", "--out", str(tmp_path)])
     rows = [json.loads(line) for line in (tmp_path / "moe.jsonl").read_text().splitlines()]
     assert {r["backend"] for r in rows} >= {"triton", "torch_ref"}

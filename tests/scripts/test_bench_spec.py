@@ -3,26 +3,18 @@ the held-out prompts of the demo corpus (scripts/demo_prompts.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .conftest import SCRIPTS, load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load("bench_spec")
+    return load_script("bench_spec")
 
 
 def test_smoke_run_writes_one_row_per_case_and_matches_plain(bench, tmp_path, capsys):
@@ -87,7 +79,7 @@ def test_bad_sizes_are_refused(bench, bad):
 
 def test_heldout_prompts_come_from_documents_outside_the_train_split():
     sys.path.insert(0, str(SCRIPTS))
-    demo_prompts = load("demo_prompts")
+    demo_prompts = load_script("demo_prompts")
     from kimi_helix.assets import demo_model_dir
     from kimi_helix.tokenizer import load_tokenizer
 
