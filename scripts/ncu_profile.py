@@ -2,6 +2,7 @@
 
     python scripts/ncu_profile.py --target kda --out $OUT   # chunk_kda at T=8192, H=64, bf16, g given (4 kernels)
     python scripts/ncu_profile.py --target mla --out $OUT   # MLA decode, b=128, s_k=8192, bf16: H=16, H=128, H=32 s_q=4
+    python scripts/ncu_profile.py --target mla_fp8 --out $OUT   # MLA decode, b=128, s_k=8192, fp8 cache, H=16
     python scripts/ncu_profile.py --target kda --out DIR --from-exports   # summarise DIR's exports again, no GPU
 
 The workload runs under ``ncu --clock-control none`` (the clocks stay as the machine sets them); the report is
@@ -39,6 +40,9 @@ TARGETS = {
                                                         "mla_decode b=128 s_k=8192 bf16 H=128 s_q=1",
                                                         "mla_decode b=128 s_k=8192 bf16 H=32 s_q=4")
                         for i in range(3)]),
+    # The fp8 cache at 16 heads runs the warp-specialised Gluon kernel (`decode_fp8_wgmma`) on sm_90.
+    "mla_fp8": dict(kernels="mla_decode_fp8_wgmma_kernel", skip=2,
+                    labels=["mla_decode b=128 s_k=8192 fp8 H=16 s_q=1"]),
 }  # fmt: skip
 SECTIONS = ["SpeedOfLight", "WarpStateStats", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "SchedulerStats",
             "ComputeWorkloadAnalysis", "SourceCounters"]  # fmt: skip
@@ -73,8 +77,9 @@ def workload(target: str) -> None:
 
         from kimi_helix.kernels.mla.decode import mla_decode_triton
 
-        cache = Cache(128, 8192, "bf16", dev, torch.bfloat16)
-        for h, s_q in ((16, 1), (128, 1), (32, 4)):
+        fp8 = target == "mla_fp8"
+        cache = Cache(128, 8192, "fp8" if fp8 else "bf16", dev, torch.bfloat16)
+        for h, s_q in ((16, 1),) if fp8 else ((16, 1), (128, 1), (32, 4)):
             T = 128 * s_q
             q = torch.randn(T, h, KV_LORA + ROPE, device=dev, dtype=torch.bfloat16)
             cu = torch.arange(0, T + 1, s_q, dtype=torch.int32, device=dev)

@@ -70,6 +70,7 @@ def fused_recurrent_kda_fwd_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    BT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
@@ -96,32 +97,52 @@ def fused_recurrent_kda_fwd_kernel(
         b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         b_bias = tl.load(dt_bias + i_h * K + o_k, mask=mask_k, other=0.0).to(tl.float32)
 
-    for t in range(bos, eos):
-        b_q = tl.load(q + t * stride_q_t + i_h * stride_q_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + t * stride_k_t + i_h * stride_k_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + t * stride_v_t + i_h * stride_v_h + o_v, mask=mask_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + t * stride_g_t + i_h * stride_g_h + o_k, mask=mask_k, other=0.0).to(tl.float32)
-        b_beta = tl.load(beta + t * stride_b_t + i_h * stride_b_h).to(tl.float32)
+    # A block's tokens are loaded (and normalised, gated) together, then walked one by one: the loads of a verify
+    # group are in flight at once instead of one token's after another's update.
+    o_t = tl.arange(0, BT)
+    for t0 in range(bos, eos, BT):
+        tok = t0 + o_t
+        ok_t = tok < eos
+        m_tk = ok_t[:, None] & mask_k[None, :]
+        Q = tl.load(q + tok[:, None] * stride_q_t + i_h * stride_q_h + o_k[None, :], mask=m_tk, other=0.0)
+        Kt = tl.load(k + tok[:, None] * stride_k_t + i_h * stride_k_h + o_k[None, :], mask=m_tk, other=0.0)
+        Vt = tl.load(v + tok[:, None] * stride_v_t + i_h * stride_v_h + o_v[None, :],
+                     mask=ok_t[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
+        G = tl.load(g + tok[:, None] * stride_g_t + i_h * stride_g_h + o_k[None, :], mask=m_tk, other=0.0)
+        B = tl.load(beta + tok * stride_b_t + i_h * stride_b_h, mask=ok_t, other=0.0).to(tl.float32)
+        Q, Kt, Vt, G = Q.to(tl.float32), Kt.to(tl.float32), Vt.to(tl.float32), G.to(tl.float32)
         if USE_BETA_SIGMOID:
-            b_beta = tl.sigmoid(b_beta)
+            B = tl.sigmoid(B)
         if USE_QK_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * scale
+            Q = Q / tl.sqrt(tl.sum(Q * Q, axis=1) + 1e-6)[:, None]
+            Kt = Kt / tl.sqrt(tl.sum(Kt * Kt, axis=1) + 1e-6)[:, None]
+        Q = Q * scale
         if GATE_IN_KERNEL:
-            b_g = log_decay(b_g + b_bias, b_rate, lower_bound, USE_LOWER_BOUND)
-
-        b_h *= tl.exp(b_g)[:, None]
-        # delta rule: store beta * (v - S^T k), the prediction error of the decayed memory for this key
-        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
-        b_h += b_k[:, None] * b_v[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0)
-        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        if STORE_ALL_STATES:
-            tl.store(hs + (t * H + i_h) * (K * V) + off_kv, b_h, mask=mask_kv)
+            G = log_decay(G + b_bias[None, :], b_rate, lower_bound, USE_LOWER_BOUND)
+        G = tl.exp(G)
+        for j in tl.static_range(BT):
+            if t0 + j < eos:
+                row = o_t == j
+                b_q = tl.sum(tl.where(row[:, None], Q, 0.0), axis=0)
+                b_k = tl.sum(tl.where(row[:, None], Kt, 0.0), axis=0)
+                b_v = tl.sum(tl.where(row[:, None], Vt, 0.0), axis=0)
+                b_h *= tl.sum(tl.where(row[:, None], G, 0.0), axis=0)[:, None]
+                # delta rule: store beta * (v - S^T k), the prediction error of the decayed memory for this key
+                b_v = tl.sum(tl.where(row, B, 0.0)) * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+                b_h += b_k[:, None] * b_v[None, :]
+                b_o = tl.sum(b_h * b_q[:, None], axis=0)
+                t = t0 + j
+                tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+                if STORE_ALL_STATES:
+                    tl.store(hs + (t * H + i_h) * (K * V) + off_kv, b_h, mask=mask_kv)
 
     if STORE_FINAL_STATE:
         tl.store(ht + (slot * H + i_h) * (K * V) + off_kv, b_h.to(ht.dtype.element_ty), mask=mask_kv)
+
+
+# Tokens loaded together, at most: a verify group of 1 + k <= 9 tokens takes one or two blocks. The launch takes
+# the power of two at or above the mean tokens a sequence, so decode (one token) loads one row.
+_BLOCK_T = 8
 
 
 def _config(N: int, H: int, V: int) -> tuple[int, int]:
@@ -245,7 +266,7 @@ def fused_recurrent_kda_triton(
         q_, k_, v_, g_, b_, o, initial_state, final, states, cu_seqlens, state_indices, A_log, dt_bias,
         sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh,
         K**-0.5 if scale is None else scale, 0.0 if lower_bound is None else lower_bound, T,
-        H=H, K=K, V=V, BK=next_pow2(K), BV=bv,
+        H=H, K=K, V=V, BK=next_pow2(K), BV=bv, BT=min(_BLOCK_T, next_pow2(max(1, cdiv(B * T, max(N, 1))))),
         IS_VARLEN=cu_seqlens is not None,
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None,
