@@ -123,10 +123,11 @@ def prefill_case(T: int, H: int, D: int, dtype, device, chunk_size: int, breakdo
 
 @contextlib.contextmanager
 def forced_config(config: tuple[int, int] | None):
-    """Run the decode kernel with a fixed (BV, num_warps) instead of the choice of fused_recurrent._config."""
+    """Run the decode kernel with a fixed (BV, num_warps) instead of the choice of fused_recurrent._config (its
+    tokens loaded at a time, BT, stay its choice)."""
     chosen = fr._config
     if config is not None:
-        fr._config = lambda N, H, V: config
+        fr._config = lambda N, H, V, tokens: (*config, chosen(N, H, V, tokens)[2])
     try:
         yield
     finally:
@@ -153,10 +154,10 @@ def decode_case(n: int, h: int, d: int, t: int, dtype, device) -> dict:
         )  # fmt: skip
 
     ms = bench_ms(step, device)
-    bv, num_warps = fr._config(n, h, d)
+    bv, num_warps, bt = fr._config(n, h, d, t)
     return dict(
         phase="decode", n=n, h=h, k=d, v=d, t=t, dtype=str(dtype).removeprefix("torch."), bv=bv,
-        num_warps=num_warps, ms=ms, tbps=2 * n * h * d * d * 4 / ms / 1e9,
+        num_warps=num_warps, bt=bt, ms=ms, tbps=2 * n * h * d * d * 4 / ms / 1e9,
     )  # fmt: skip
 
 
@@ -191,7 +192,7 @@ def run_decode(args, device, meta) -> list[dict]:
                 row["pct_of_copy"] = 100 * row["tbps"] / copy
                 out.write(row)
                 print(
-                    f"decode N={n:4d} H={h} K=V={d} T={t} BV={row['bv']:3d} warps={row['num_warps']} "
+                    f"decode N={n:4d} H={h} K=V={d} T={t} BV={row['bv']:3d} BT={row['bt']} warps={row['num_warps']} "
                     f"({row['config']}): {row['ms'] * 1e3:9.1f} us  {row['tbps']:.2f} TB/s state "
                     f"({row['pct_of_copy']:.0f}% of copy {copy:.2f} TB/s, floor {row['floor_ms'] * 1e3:.1f} us)",
                     flush=True,

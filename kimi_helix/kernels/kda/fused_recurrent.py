@@ -140,19 +140,23 @@ def fused_recurrent_kda_fwd_kernel(
         tl.store(ht + (slot * H + i_h) * (K * V) + off_kv, b_h.to(ht.dtype.element_ty), mask=mask_kv)
 
 
-# Tokens loaded together, at most: a verify group of 1 + k <= 9 tokens takes one or two blocks. The launch takes
-# the power of two at or above the mean tokens a sequence, so decode (one token) loads one row.
+# Tokens loaded together, at most: a verify group of 1 + k <= 9 tokens takes one or two blocks.
 _BLOCK_T = 8
 
 
-def _config(N: int, H: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences BV drops to 16 so
-    that more programs, hence more state loads, are in flight (docs/benchmarks.md, KDA decode, has what this gives;
-    `scripts/bench_kda.py --phase decode --sweep` times the alternatives)."""
+def _config(N: int, H: int, V: int, tokens_per_seq: int) -> tuple[int, int, int]:
+    """(BV, num_warps, BT). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences the kernel
+    is bound by latency: BV drops to 16 so that more programs, hence more state loads, are in flight, and a
+    sequence's tokens are loaded BT at a time (up to 8, the power of two at or above its mean tokens) so that a
+    verify group's loads overlap. With many programs BT stays 1: picking a token out of a block (a reduction over
+    the block's rows each) then costs more than the loads' latency, which other programs hide (docs/benchmarks.md,
+    KDA decode; `scripts/bench_kda.py --phase decode --sweep` times the alternatives)."""
     bv = min(next_pow2(V), 32)
+    bt = 1
     if N * H * cdiv(V, bv) < 1024:
         bv = min(bv, 16)
-    return bv, 4
+        bt = min(_BLOCK_T, next_pow2(max(1, tokens_per_seq)))
+    return bv, 4, bt
 
 
 def _check_inputs(q, k, v, g, beta, cu_seqlens) -> int:
@@ -260,13 +264,13 @@ def fused_recurrent_kda_triton(
         final = initial_state
     elif output_final_state and not return_intermediate_states:
         final = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
-    bv, num_warps = _config(N, H, V)
+    bv, num_warps, bt = _config(N, H, V, cdiv(B * T, max(N, 1)))
     grid = (N * H * cdiv(V, bv),)
     fused_recurrent_kda_fwd_kernel[grid](
         q_, k_, v_, g_, b_, o, initial_state, final, states, cu_seqlens, state_indices, A_log, dt_bias,
         sqt, sqh, skt, skh, svt, svh, sgt, sgh, sbt, sbh,
         K**-0.5 if scale is None else scale, 0.0 if lower_bound is None else lower_bound, T,
-        H=H, K=K, V=V, BK=next_pow2(K), BV=bv, BT=min(_BLOCK_T, next_pow2(max(1, cdiv(B * T, max(N, 1))))),
+        H=H, K=K, V=V, BK=next_pow2(K), BV=bv, BT=bt,
         IS_VARLEN=cu_seqlens is not None,
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final is not None,

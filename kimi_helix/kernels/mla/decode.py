@@ -567,7 +567,8 @@ def mla_decode_triton(
             BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1), USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1,
             LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=2,
             DEQUANT_REGS=FP8_WGMMA.dequant_regs, LOOKAHEAD=FP8_WGMMA.lookahead,
-            DEQUANT_WGS=FP8_WGMMA.dequant_warpgroups, num_warps=4,  # the MMA warpgroup; the kernel adds the others
+            DEQUANT_WGS=FP8_WGMMA.dequant_warpgroups, PREFETCH=FP8_WGMMA.l2_prefetch,
+            num_warps=4,  # the MMA warpgroup; the kernel adds the others
         )  # fmt: skip
     elif use_wgmma:
         kv_c_desc, kv_pe_desc = decode_wgmma.wgmma_descriptors(kv_cache, kv_lora_rank, cfg["BLOCK_N"])

@@ -9,7 +9,8 @@ conversion, and a 16-row dot cannot use a 64-row warpgroup MMA. This kernel spli
   dequant warpgroups, DEQUANT_WGS, each taking half of every tile's keys). LOOKAHEAD 1 copies the next tile's
   registers into the current one's every tile, and that copy waits for the load: each tile then pays the load's
   full latency. LOOKAHEAD 2 unrolls the loop so that each tile in flight keeps registers of its own
-  (`_dequant_rotating`); `decode.FP8_WGMMA` picks, scripts/tune_mla_fp8_wgmma.py times the choices;
+  (`_dequant_rotating`), and asks L2 for each tile's rows PREFETCH tiles before those loads (`_prefetch_l2`, no
+  registers held); `decode.FP8_WGMMA` picks, scripts/tune_mla_fp8_wgmma.py times the choices;
 - the MMA warpgroup (the default partition) computes the scores swapped, S^T = C Q^T, with the tile's 64 keys as
   the MMA's M dimension and the 16 or 32 query rows as its N (which wgmma allows down to 8), then the softmax, and
   O^T += C^T P^T likewise, so that no 64-row MMA is spent on 16 rows.
@@ -215,15 +216,35 @@ def _fill(
 
 
 @gluon.jit
+def _prefetch_l2(kv_ptr, pages_ptr, tile_lo, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr, ROWS: gl.constexpr,
+                 ROW_BYTES: gl.constexpr):  # fmt: skip
+    """Ask L2 for the cache rows of keys [tile_lo, tile_lo + ROWS) below hi: every 128-byte line of each row (its
+    line starts and its last byte, eight addresses a row), into no register. The register loads that follow hit L2
+    and wait out its latency instead of the memory's."""
+    gl.static_assert(ROW_BYTES <= 768, "eight addresses cover the lines of a row of at most 768 bytes")
+    layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    n = tile_lo + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    ok = n < hi
+    page = gl.load(pages_ptr + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    row = kv_ptr + page * stride_kvp + (n % PAGE_SIZE) * stride_kvs
+    line = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, ROW_BYTES - 1)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
+        [row[:, None] + line[None, :], gl.where(ok, 1, 0)[:, None] + line[None, :] * 0], dtype=gl.int32,
+        is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
                       ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PART: gl.constexpr,
-                      PARTS: gl.constexpr):  # fmt: skip
+                      NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr,
+                      PREFETCH: gl.constexpr):  # fmt: skip
     """`_dequant_partition` with LOOKAHEAD (2 or 3) tiles' loads in flight, for this warpgroup's BLOCK_N / PARTS
     keys of each tile (the PART-th share). The tile loop is unrolled LOOKAHEAD times so that each raw tile keeps
     its own registers: a tile's registers are reloaded (with the tile LOOKAHEAD further on) only once converted,
     so no load result is copied between registers, which would wait for the load (one tile ahead, a copy of the
-    next tile into the current one's registers stalls every tile on the load's full latency)."""
+    next tile into the current one's registers stalls every tile on the load's full latency). With PREFETCH > 0
+    each tile's rows are also asked of L2 PREFETCH tiles before their register loads (`_prefetch_l2`)."""
     DC: gl.constexpr = c_smem.shape[2]
     DR: gl.constexpr = pe_smem.shape[2]
     ROWS: gl.constexpr = BLOCK_N // PARTS
@@ -238,20 +259,32 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
     if LOOKAHEAD == 3:
         c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + 2 * BLOCK_N, key0, hi, stride_kvp, stride_kvs,
                               PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    for u in gl.static_range(PREFETCH):  # then each fetch of tile u asks L2 for tile u + PREFETCH
+        _prefetch_l2(kv_ptr, pages_ptr, lo + (LOOKAHEAD + u) * BLOCK_N + key0, hi, stride_kvp, stride_kvs,
+                     PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
     for t in range(0, num_tiles, LOOKAHEAD):
         _fill(c0, pe0, ks0, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
         c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + LOOKAHEAD) * BLOCK_N, key0, hi, stride_kvp,
                               stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
                               ks_layout)  # fmt: skip
+        if PREFETCH > 0:
+            _prefetch_l2(kv_ptr, pages_ptr, lo + (t + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
+                         stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
         _fill(c1, pe1, ks1, t + 1, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
         c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD) * BLOCK_N, key0, hi,
                               stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
                               ks_layout)  # fmt: skip
+        if PREFETCH > 0:
+            _prefetch_l2(kv_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
+                         stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
         if LOOKAHEAD == 3:
             _fill(c2, pe2, ks2, t + 2, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
             c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 2 + LOOKAHEAD) * BLOCK_N, key0, hi,
                                   stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
                                   ks_layout)  # fmt: skip
+            if PREFETCH > 0:
+                _prefetch_l2(kv_ptr, pages_ptr, lo + (t + 2 + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
+                             stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
 
 
 # One wrapper per dequant warpgroup: warp_specialize takes a function per partition, each with its part of a
@@ -259,17 +292,21 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
 @gluon.jit
 def _dequant_part0(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
                    ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr,
+                   PREFETCH: gl.constexpr):  # fmt: skip
     _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 0, PARTS)  # fmt: skip
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 0, PARTS,
+                      PREFETCH)  # fmt: skip
 
 
 @gluon.jit
 def _dequant_part1(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
                    ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr,
+                   PREFETCH: gl.constexpr):  # fmt: skip
     _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 1, PARTS)  # fmt: skip
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 1, PARTS,
+                      PREFETCH)  # fmt: skip
 
 
 @gluon.jit
@@ -394,7 +431,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                 BLOCK_Q: gl.constexpr, SEQS_POW2: gl.constexpr, USE_KV_BOUNDS: gl.constexpr,
                                 SPLIT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr, LOOKAHEAD: gl.constexpr = 1,
-                                DEQUANT_WGS: gl.constexpr = 1):  # fmt: skip
+                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0):  # fmt: skip
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     gl.static_assert(gl.num_warps() == 4, "the parent and the MMA partition are one warpgroup")
     gl.static_assert((BLOCK_M == 16) | (BLOCK_M == 32), "16 or 32 rows: the N of the swapped MMAs")
@@ -404,6 +441,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
         (DEQUANT_WGS == 1) | ((DEQUANT_WGS == 2) & (LOOKAHEAD > 1)),
         "one dequant warpgroup, or two that rotate their tiles",
     )
+    gl.static_assert((PREFETCH == 0) | (LOOKAHEAD > 1), "L2 prefetches ahead of the rotating register loads")
     # S^T [keys, rows], O^T [DC, rows] and the per-key sums share one layout, so row vectors need no conversion.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -457,7 +495,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
-                               DEQUANT_WGS))],
+                               DEQUANT_WGS, PREFETCH))],
             [4], [DEQUANT_REGS])  # fmt: skip
     else:
         gl.warp_specialize(
@@ -465,8 +503,8 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
-                               DEQUANT_WGS)),
+                               DEQUANT_WGS, PREFETCH)),
              (_dequant_part1, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
-                               DEQUANT_WGS))],
+                               DEQUANT_WGS, PREFETCH))],
             [4, 4], [DEQUANT_REGS, DEQUANT_REGS])  # fmt: skip

@@ -144,15 +144,18 @@ class Fp8WgmmaParams(NamedTuple):
     """The dequant side of the fp8 Gluon kernel (`decode_fp8_wgmma`): raw tiles whose loads are in flight
     (lookahead: 1, the next tile's, copied between registers each tile; 2 or 3, each tile in registers of its
     own), dequant warpgroups (1, or 2 that each take half of every tile's keys; 2 needs lookahead >= 2) and the
-    registers a thread of each (the MMA warpgroup gets the rest of the SM's 64K)."""
+    registers a thread of each (the MMA warpgroup gets the rest of the SM's 64K), and how many tiles before their
+    register loads a tile's rows are asked of L2 (l2_prefetch, 0: not at all; needs lookahead >= 2)."""
 
     lookahead: int = 1
     dequant_warpgroups: int = 1
     dequant_regs: int = 232
+    l2_prefetch: int = 0
 
 
 # Two raw tiles in flight, so that a tile's loads overlap the previous tile's dequant (one tile in flight copied
 # the next loads between registers and waited out their latency): the fastest variant of the sweep at b=128
 # (`scripts/tune_mla_fp8_wgmma.py`, docs/benchmarks.md). 232 registers hold both tiles and the conversion; with
-# the MMA warpgroup's 256 the CTA stays within the SM's 64K.
-FP8_WGMMA = Fp8WgmmaParams(lookahead=2, dequant_warpgroups=1, dequant_regs=232)
+# the MMA warpgroup's 256 the CTA stays within the SM's 64K. Each tile's rows are asked of L2 two tiles before
+# their register loads: the dequant warpgroup's stalls on those loads were its largest (ncu_profile.py mla_fp8).
+FP8_WGMMA = Fp8WgmmaParams(lookahead=2, dequant_warpgroups=1, dequant_regs=232, l2_prefetch=2)

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from kimi_helix.kernels.kda import kda_gate, naive_chunk_kda, naive_recurrent_kda
+from kimi_helix.kernels.kda import fused_recurrent, kda_gate, naive_chunk_kda, naive_recurrent_kda
 from kimi_helix.kernels.kda.chunk import chunk_kda_triton
 from kimi_helix.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
 
@@ -399,6 +399,31 @@ def test_intermediate_states_equal_decode_steps(varlen, buffer):
             assert_rel_close(f"o[{t}]", o.flatten(0, 1)[t], o_t[0, 0], 1e-6)
             assert_rel_close(f"states[{t}]", states[t], s[0], 1e-6)
         assert_rel_close(f"pool[{slots[n]}]", pool[slots[n]], s[0], 1e-6)
+
+
+def test_recurrent_block_sizes_agree(monkeypatch):
+    """Tokens loaded one, two or eight at a time (BT; `_config` picks it from the launch's size) give the same
+    outputs and per-token states (up to the row reductions' order): blocks that end inside a sequence, past its end,
+    and an empty sequence. The gate is computed in the kernel, as the engine calls it."""
+    q, k, v, f, beta, pool, A_log, dt_bias = make_recurrent_inputs(
+        1, sum(RECURRENT_LENS), seed=7, n_states=len(RECURRENT_LENS), raw_gate=True
+    )
+    chosen = fused_recurrent._config
+    results = []
+    for bt in (1, 2, 8):
+        monkeypatch.setattr(fused_recurrent, "_config", lambda N, H, V, tokens, bt=bt: (*chosen(N, H, V, 1)[:2], bt))
+        results.append(fused_recurrent_kda_triton(
+            q, k, v, f, beta, initial_state=pool.clone(), A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(RECURRENT_LENS), return_intermediate_states=True,
+        ))  # fmt: skip
+    o_ref, _ = naive_recurrent_kda(
+        q, k, v, kda_gate(f, A_log, dt_bias, -5.0), beta, initial_state=pool, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens(RECURRENT_LENS),
+    )  # fmt: skip
+    assert_rel_close("o (BT 1) vs naive", results[0][0], o_ref, 1e-5)
+    for bt, (o, states) in zip((2, 8), results[1:]):
+        assert_rel_close(f"o at BT {bt}", o, results[0][0], 1e-6)
+        assert_rel_close(f"states at BT {bt}", states, results[0][1], 1e-6)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])

@@ -536,13 +536,13 @@ def test_fp8_schedules_committed_and_triton():
 
 
 @pytest.mark.skipif(decode.decode_fp8_wgmma is None, reason="this Triton has no Gluon Hopper ops")
-@pytest.mark.parametrize("params", [None, (2, 1, 232), (2, 2, 128)])
+@pytest.mark.parametrize("params", [None, (2, 1, 232), (2, 2, 128), (2, 2, 128, 2)])
 def test_fp8_wgmma_kernel_compiles_for_sm90_without_spills(params):
     """The fp8 Gluon kernel compiles for sm_90 (no GPU needed) at 16 rows, decode (16 heads, split KV) and verify
     (4 heads x 4 tokens, one split, longest first), without register spills, at the committed dequant side
     (`decode.FP8_WGMMA`) and the alternatives scripts/tune_mla_fp8_wgmma.py times (two tiles in flight, in one
-    or two dequant warpgroups); the host's shared-memory estimate (what `_fp8_wgmma_ok` gates on) stays within
-    2 KB of what the compiler allocates."""
+    or two dequant warpgroups, with and without L2 prefetches); the host's shared-memory estimate (what
+    `_fp8_wgmma_ok` gates on) stays within 2 KB of what the compiler allocates."""
     cases = [(16, 16, True, False), (16, 4, False, True)]  # (rows, heads a tile, split KV, longest first)
     p = "None" if params is None else f"decode.Fp8WgmmaParams(*{params!r})"
     code = (
