@@ -3,27 +3,19 @@ fields the issue asks for, bytes per rank equal to docs/helix.md's formula and c
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
 from tests.parallel.harness import check_all_ok, spawn
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_helix.py"
+from .conftest import load_script
+
 SMOKE = ["--smoke", "--contexts", "8,24", "--batches", "2", "--steps", "1", "--warmup", "1"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_helix", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _bench_rank(rank, world, out):
-    return _load().main([*SMOKE, "--out", out])
+    return load_script("bench_helix").main([*SMOKE, "--out", out])
 
 
 def test_two_rank_smoke_run(tmp_path):
@@ -47,7 +39,7 @@ def test_two_rank_smoke_run(tmp_path):
 
 
 def test_cache_need_is_what_the_engine_allocates():
-    bench = _load()
+    bench = load_script("bench_helix")
     from bench_e2e import random_model, truncated_config
 
     from kimi_helix.engine import LLM
@@ -63,12 +55,12 @@ def test_cache_need_is_what_the_engine_allocates():
 
 
 def test_layouts_of_a_world():
-    layouts = _load().layouts
+    layouts = load_script("bench_helix").layouts
     assert layouts(1) == [(1, 1)] and layouts(4) == [(4, 1), (2, 2), (1, 4)] and layouts(4, cp=2) == [(2, 2)]
     assert layouts(2, cp=4) == []
 
 
 def test_a_case_that_does_not_fit_is_skipped_with_the_sizes():
-    skip_reason = _load().skip_reason
+    skip_reason = load_script("bench_helix").skip_reason
     assert skip_reason(1 << 30, 16 << 30) is None
     assert skip_reason(13 << 30, 16 << 30) == "cache needs 13.0 GiB per rank (+4 GiB reserve), 16.0 GiB free"

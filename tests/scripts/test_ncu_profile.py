@@ -3,15 +3,13 @@ profiling itself needs a GPU and ncu)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("ncu_profile", Path(__file__).parents[2] / "scripts" / "ncu_profile.py")
-ncu = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(ncu)
+from .conftest import load_script
+
+ncu = load_script("ncu_profile")
 
 TEXT = """[502] python3.12@127.0.0.1
   kda_chunk_gate_kernel (128, 64, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +13,12 @@ from kimi_helix.presets import get_preset
 from kimi_helix.speculative.dspark import DSparkDrafter
 from kimi_helix.speculative.validator import validate_speculative_config
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_drafter.py"
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def train_module():
-    spec = importlib.util.spec_from_file_location("train_drafter", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_drafter")
 
 
 @pytest.fixture(scope="module")

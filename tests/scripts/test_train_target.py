@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from .conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "train_target.py"
@@ -35,13 +36,6 @@ def token_data(tmp_path_factory) -> Path:
     return out
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_target", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_smoke_cli_trains_saves_and_reproduces(token_data, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(SCRIPT), "--smoke", "--data", str(token_data), "--out", str(tmp_path), "--check-repro"]
@@ -62,7 +56,7 @@ def test_smoke_cli_trains_saves_and_reproduces(token_data, tmp_path):
 
 
 def test_resume_continues_the_same_run(token_data, tmp_path):
-    train = _load_script()
+    train = load_script("train_target")
     common = ["--smoke", "--data", str(token_data), "--steps", "3", "--eval-windows", "1"]
     straight = train.main([*common, "--out", str(tmp_path / "a")])
     # A zero time budget stops after the first step; the resumed run must land on the same losses.

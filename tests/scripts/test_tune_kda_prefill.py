@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+
+from .conftest import load_script
 
 
 def test_tune_smoke(tmp_path):
     from kimi_helix.kernels.kda import chunk
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_kda_prefill.py"
-    spec = importlib.util.spec_from_file_location("tune_kda_prefill", path)
-    tune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune)
+    tune = load_script("tune_kda_prefill")
     committed = {t: getattr(chunk, t) for t in tune.CANDIDATES}
     tune.main(["--smoke", "--out", str(tmp_path), "--lower-bound", "-5"])  # the bounded gate, computed in the kernel
     rows = [json.loads(line) for line in (tmp_path / "tune_kda_prefill.jsonl").read_text().splitlines()]
