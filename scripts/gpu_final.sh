@@ -4,7 +4,7 @@
 #   2. the 27-layer e2e grid with transformers' KimiLinear, most important cases first, --budget-s 205;
 #   3. the speculative benchmark (plain and DSpark, k = 5 and 7, batch 1);
 #   4. fp8 against bf16 MLA decode (b = 1 and 128, 16 heads, 8k keys);
-#   5. the GPU tests in two groups (the Markov kernel and speculative decoding first, then the engine);
+#   5. the GPU tests in two groups (the Markov and draft attention kernels and speculative decoding first, then the engine);
 #   6. a summary.
 # Every step runs under `timeout` (pytest under SIGINT, so that it still prints its summary) and writes under $OUT
 # as it goes, so a step cut short keeps what it finished. Files back (the tool returns at most 8): run.log,
@@ -35,7 +35,7 @@ step spec 95 python3 scripts/bench_spec.py --methods plain dspark --k 5 7 --batc
 step mla-fp8 40 python3 scripts/bench_mla.py --b 1 128 --h 16 --s-q 1 --s-k 8192 --kv bf16 fp8 \
   --backends triton --out "$OUT"
 step tests-markov-speculative 80 timeout -s INT 75 \
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/markov tests/speculative
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/markov tests/kernels/draft_attention tests/speculative
 step tests-engine 65 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/engine
 
 {

@@ -26,6 +26,7 @@ PHASES = ("prefill", "decode", "verify")
 OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_update", "gated_rms_norm", "fused_experts")
 OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul", "linear")  # the fused ops of the decode step
 OPS += ("markov_chain_greedy",)  # the DSpark drafter's greedy Markov chain
+OPS += ("draft_attention",)  # the DSpark drafter's attention over its context cache and block
 ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
 KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
@@ -176,6 +177,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     capabilities their kernel modules declare. The Triton modules are imported here, on first use."""
     from .activation import triton as activation_triton
     from .conv import triton as conv_triton
+    from .draft_attention import triton as draft_attention_triton
     from .kda import chunk, fused_recurrent
     from .linear import triton as linear_triton
     from .markov import triton as markov_triton
@@ -201,6 +203,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "silu_mul": activation_triton.CAPS,
         "linear": linear_triton.CAPS,
         "markov_chain_greedy": markov_triton.CAPS,
+        "draft_attention": draft_attention_triton.CAPS,
     }
     torch_ops = {"mla_prefill": REFERENCE_PREFILL_CAPS, "mla_decode": REFERENCE_DECODE_CAPS}
     torch_ops |= {"mla_verify": REFERENCE_DECODE_CAPS} | {op: REFERENCE_OP_CAPS for op in OPS}

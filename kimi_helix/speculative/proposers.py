@@ -325,8 +325,7 @@ class DSparkProposer(Proposer):
     def _sampled_draft(self, requests, inputs: torch.Tensor, k: int):
         """A round with sampled requests (eager): packed as `greedy_draft`'s, and the draft distributions."""
         anchors, positions, slots = inputs
-        ctx, valid = self.cache.gather(slots, positions)
         temps, gens = [r.temperature for r in requests], [r.generator for r in requests]
-        draft = self.drafter.draft(anchors, positions, ctx, valid, k, temps, gens)
+        draft = self.drafter.draft(anchors, positions, self.cache.context(slots, positions), k, temps, gens)
         conf = draft.confidence if draft.confidence is not None else torch.zeros_like(draft.tokens, dtype=torch.float)
         return torch.cat([draft.tokens.double(), conf.double()], dim=1), draft.probs

@@ -26,6 +26,7 @@ from kimi_helix.kernels.backends import (
     select,
 )
 from kimi_helix.kernels.conv import causal_conv1d, causal_conv1d_update
+from kimi_helix.kernels.draft_attention import draft_attention
 from kimi_helix.kernels.kda import chunk_kda, fused_recurrent_kda
 from kimi_helix.kernels.linear import linear
 from kimi_helix.kernels.markov import markov_chain_greedy
@@ -234,6 +235,9 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
         base, anchors = torch.randn(2, 3, 40, generator=g), torch.tensor([5, 39])
         conf = (rand(2, 3, 16), rand(16 + 8), rand(1))
         return markov_chain_greedy(base, anchors, rand(40, 8), rand(40, 8), *conf, backend=backend)[1]
+    if r.op == "draft_attention":
+        block, ctx = [rand(2, 3, 2, 16) for _ in range(3)], [rand(3, 5, 2, 16) for _ in range(2)]
+        return draft_attention(*block, *ctx, torch.tensor([2, 0]), torch.tensor([4, 0]), backend=backend)
     assert r.op == "fused_experts", r.op
     ids = torch.tensor([[0, 1], [2, 0], [1, 3]])
     weights = torch.rand(3, 2, generator=g)

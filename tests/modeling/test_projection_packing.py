@@ -45,7 +45,7 @@ def test_mla_and_swiglu_packed_equal_separate(kwargs, monkeypatch):
 
 def test_drafter_packed_equals_separate(monkeypatch):
     from kimi_helix.presets import get_preset
-    from kimi_helix.speculative.dspark import DSparkDrafter
+    from kimi_helix.speculative.dspark import DSparkDrafter, SlotContext
 
     torch.manual_seed(0)
     target = KimiK3ForCausalLM(get_preset("tiny")).eval()
@@ -57,8 +57,8 @@ def test_drafter_packed_equals_separate(monkeypatch):
 
     def run():
         ctx = drafter.context_keys_values(feats, torch.arange(p)[None])
-        valid = torch.ones(1, p, dtype=torch.bool)
-        return ctx, drafter.draft(torch.tensor([7]), torch.tensor([p]), ctx, valid, 4, [0.0], [None])
+        context = SlotContext(ctx, torch.tensor([0]), torch.tensor([p]))
+        return ctx, drafter.draft(torch.tensor([7]), torch.tensor([p]), context, 4, [0.0], [None])
 
     ctx, draft = run()
     monkeypatch.setattr(packing, "PACK_DEVICES", ("cuda", "cpu"))

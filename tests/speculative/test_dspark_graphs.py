@@ -16,7 +16,7 @@ from kimi_helix import KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.engine import LLM, SamplingParams
 from kimi_helix.engine.cuda_graph import StepGraphs
 from kimi_helix.modeling.batch import Phase
-from kimi_helix.speculative.dspark import DSparkDrafter, TargetFeatureCapture
+from kimi_helix.speculative.dspark import DSparkDrafter, SlotContext, TargetFeatureCapture
 from kimi_helix.speculative.proposers import DSparkProposer, ProposalRequest
 
 from ..modeling.conftest import randomize_router_bias, tiny_kwargs
@@ -96,8 +96,8 @@ def test_context_cache_drafts_like_fresh_contexts_and_survives_growth(target, dr
         p = len(ids) - 1
         ctx = drafter.context_keys_values(_features(target, ids[:-1]), torch.arange(p))
         ctx = [(k[None], v[None]) for k, v in ctx]
-        want = drafter.draft(torch.tensor(ids[-1:]), torch.tensor([p]), ctx, torch.ones(1, p, dtype=torch.bool), 4,
-                             [0.0], [None])  # fmt: skip
+        context = SlotContext(ctx, torch.tensor([0]), torch.tensor([p]))
+        want = drafter.draft(torch.tensor(ids[-1:]), torch.tensor([p]), context, 4, [0.0], [None])
         assert proposal.token_ids == want.tokens[0].tolist() and proposal.probs is None
         torch.testing.assert_close(torch.tensor(proposal.confidence), want.confidence[0])
 

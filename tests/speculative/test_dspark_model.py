@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModel
 
 from kimi_helix.kernels.backends import BackendChoice
 from kimi_helix.modeling import CheckpointError
-from kimi_helix.speculative.dspark import DSparkDrafter, TargetFeatureCapture
+from kimi_helix.speculative.dspark import DSparkDrafter, SlotContext, TargetFeatureCapture
 
 from .conftest import tiny_drafter_config
 
@@ -67,9 +67,8 @@ def test_drafting_matches_teacher_forcing(target, drafter, temperature):
     feats = _features(target, ids)
     ctx = drafter.context_keys_values(feats[:, :p], torch.arange(p)[None])
     gen = torch.Generator().manual_seed(0)
-    draft = drafter.draft(
-        ids[:, p], torch.tensor([p]), ctx, torch.ones(1, p, dtype=torch.bool), g, [temperature], [gen]
-    )
+    context = SlotContext(ctx, torch.tensor([0]), torch.tensor([p]))
+    draft = drafter.draft(ids[:, p], torch.tensor([p]), context, g, [temperature], [gen])
     full = torch.cat([ids, draft.tokens], dim=1)
     feats_full = torch.cat([feats, feats.new_zeros(1, g, feats.shape[-1])], dim=1)  # rows >= p are never seen
     out = drafter(full, feats_full, torch.tensor([[p]]))
@@ -148,7 +147,7 @@ def test_greedy_draft_is_the_slot_by_slot_chain(target, drafter, backend):
     anchors, positions, valid = ids[:, p], torch.full((n,), p), torch.ones(n, p, dtype=torch.bool)
     ctx_pos = torch.arange(p).expand(n, p)
     ctx = drafter.context_keys_values(_features(target, ids)[:, :p], ctx_pos)
-    draft = drafter.draft(anchors, positions, ctx, valid, g, [0.0] * n, [None] * n)
+    draft = drafter.draft(anchors, positions, SlotContext(ctx, torch.arange(n), positions), g, [0.0] * n, [None] * n)
     block = torch.full((n, g), drafter.config.mask_token_id)
     block[:, 0] = anchors
     hidden = drafter.backbone(block, positions, ctx, ctx_pos, valid)

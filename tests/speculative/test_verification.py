@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kimi_helix.engine.sampling import SamplingParams
-from kimi_helix.speculative.dspark import DSparkDrafter
+from kimi_helix.speculative.dspark import DSparkDrafter, SlotContext
 from kimi_helix.speculative.proposers import NgramProposer, ProposalRequest
 from kimi_helix.speculative.verification import VerifyResult, accept_greedy, target_probs, verify, verify_greedy
 
@@ -121,7 +121,8 @@ def _dspark_drafts():
         base = drafter._io()[1](hidden)[0]
         q1 = torch.softmax(base[0] + drafter.markov_bias(anchor)[0], -1)
         q2 = torch.softmax(base[1][None] + drafter.markov_bias(torch.arange(V)), -1)
-    draft = drafter.draft(anchor, pos, ctx, valid, 2, [1.0], [torch.Generator().manual_seed(0)])
+    context = SlotContext(ctx, torch.tensor([0]), pos)  # the cache's path: the rows read in place
+    draft = drafter.draft(anchor, pos, context, 2, [1.0], [torch.Generator().manual_seed(0)])
     torch.testing.assert_close(draft.probs[0, 0], q1)
     torch.testing.assert_close(draft.probs[0, 1], q2[draft.tokens[0, 0]])
     assert (q2 - q2.mean(0)).abs().max() > 0.05  # slot 2 really depends on the sampled slot 1

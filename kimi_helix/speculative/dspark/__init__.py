@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModel
 
 from .capture import TargetFeatureCapture
 from .config import DSparkConfig, default_target_layer_ids
-from .model import Draft, DSparkDrafter, DSparkOutput
+from .model import Draft, DSparkDrafter, DSparkOutput, SlotContext
 
 AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDrafter, exist_ok=True)
@@ -17,6 +17,7 @@ __all__ = [
     "DSparkDrafter",
     "DSparkOutput",
     "Draft",
+    "SlotContext",
     "TargetFeatureCapture",
     "default_target_layer_ids",
 ]

@@ -6,9 +6,10 @@ or tokens in Python, and nothing reads a device value on the host except the one
 
 - `ContextCache`: per drafter layer, the injected context keys and values [slots, capacity, H, hd] of every
   request, written in place at their positions (`write`) and cropped by a host-side length only (rollback sets
-  the length). Masks come from the lengths on the device. It grows by doubling when a request needs more room,
-  which bumps `generation` (the graphs recapture then: they read the old tensors).
-- `DraftGraphs`: the greedy draft forward (context gather, backbone, head, Markov chain, confidence) captured
+  the length). The drafter's attention reads the rows in place, bounded by the lengths on the device. It grows
+  by doubling when a request needs more room, which bumps `generation` (the graphs recapture then: they read the
+  old tensors).
+- `DraftGraphs`: the greedy draft forward (backbone, head, Markov chain, confidence) captured
   per (batch bucket, drafts); its static inputs are the anchor ids, anchor positions (= context lengths) and
   slot indices, and its output packs tokens and confidences in one tensor, read with one copy. It also captures
   the context write of a step's features (`ContextCache.write`) per token count, for features that sit in a
@@ -23,7 +24,7 @@ import logging
 import numpy as np
 import torch
 
-from .model import DSparkDrafter
+from .model import DSparkDrafter, SlotContext
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +161,10 @@ class ContextCache:
             k.index_put_((slots, positions), nk)
             v.index_put_((slots, positions), nv)
 
-    def gather(self, slots: torch.Tensor, lengths: torch.Tensor):
-        """slots, lengths [N] int64 (device) -> (per layer (k, v) [N, capacity, H, hd], valid [N, capacity])."""
-        ctx = [(k.index_select(0, slots), v.index_select(0, slots)) for k, v in self.kv]
-        valid = torch.arange(self.capacity, device=slots.device)[None] < lengths[:, None]
-        return ctx, valid
+    def context(self, slots: torch.Tensor, lengths: torch.Tensor) -> SlotContext:
+        """slots, lengths [N] int64 (device) -> the drafter's view of those requests' rows (nothing is copied:
+        the attention reads the rows in place)."""
+        return SlotContext(self.kv, slots, lengths)
 
 
 def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -172,9 +172,9 @@ def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tens
     positions = context lengths, slots) -> packed [N, 2 * num_tokens] float64: the draft tokens (exact as
     float64), then their confidences (0 without a confidence head)."""
     anchors, positions, slots = inputs
-    ctx, valid = cache.gather(slots, positions)
     n = anchors.shape[0]
-    draft = drafter.draft(anchors, positions, ctx, valid, num_tokens, [0.0] * n, [None] * n, with_probs=False)
+    context = cache.context(slots, positions)
+    draft = drafter.draft(anchors, positions, context, num_tokens, [0.0] * n, [None] * n, with_probs=False)
     conf = draft.confidence if draft.confidence is not None else torch.zeros_like(draft.tokens, dtype=torch.float)
     return torch.cat([draft.tokens.double(), conf.double()], dim=1)
 

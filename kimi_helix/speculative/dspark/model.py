@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 
 from ...kernels.backends import BackendChoice
+from ...kernels.draft_attention import draft_attention
 from ...kernels.linear import linear
 from ...kernels.markov import markov_chain_greedy
 from ...modeling.checkpoint import CheckpointError
@@ -55,6 +56,17 @@ class Draft:
     tokens: torch.Tensor
     probs: torch.Tensor | None
     confidence: torch.Tensor | None
+
+
+@dataclass
+class SlotContext:
+    """The injected context of N drafting requests where the serving cache keeps it: per drafter layer (k, v)
+    [S, C, H, hd] (S slots of C rows, row = position), each request's slot [N] int64 and its visible rows
+    `lengths` [N] int64 (rows 0..length-1: the tokens before its anchor, so length <= the anchor's position)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    slots: torch.Tensor
+    lengths: torch.Tensor
 
 
 class DSparkAttention(nn.Module):
@@ -100,19 +112,40 @@ class DSparkAttention(nn.Module):
         k, v = self._project_kv(x)
         return self._norm_rotate(k, positions, self.k_norm), v.view(*v.shape[:-1], self.num_heads, self.head_dim)
 
+    def _block_qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [N, G, d], positions [N, G] -> the block's q, k (normed and rotated) and v, each [N, G, H, hd]."""
+        q, k, v = fused_projections(x, self._qkv(), self._qkv_pack)
+        q, k = self._norm_rotate(q, positions, self.q_norm), self._norm_rotate(k, positions, self.k_norm)
+        return q, k, v.view(*x.shape[:2], self.num_heads, self.head_dim)
+
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
         """x [N, G, d] block, positions [N, G]; ctx_k/ctx_v [N, C, H, hd]; visible [N, 1, 1, C + G] bool, the keys
-        each query sees (`DSparkDrafter.backbone`'s, shared by the layers) -> [N, G, d]."""
+        each query sees (`DSparkDrafter.backbone`'s, shared by the layers) -> [N, G, d]. Differentiable."""
         n, g, _ = x.shape
-        q, k_blk, v_blk = fused_projections(x, self._qkv(), self._qkv_pack)
-        q, k_blk = self._norm_rotate(q, positions, self.q_norm), self._norm_rotate(k_blk, positions, self.k_norm)
-        v_blk = v_blk.view(n, g, self.num_heads, self.head_dim)
+        q, k_blk, v_blk = self._block_qkv(x, positions)
         k = torch.cat([ctx_k, k_blk], dim=1).transpose(1, 2)
         v = torch.cat([ctx_v, v_blk], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible)
         return self.o_proj(out.transpose(1, 2).reshape(n, g, -1))
+
+    def forward_cached(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` over context rows read in place from the serving cache (one `draft_attention` launch where
+        the switch picks Triton, instead of a gather, a concatenation, a mask and SDPA): x [N, G, d],
+        positions [N, G]; k_cache/v_cache [S, C, H, hd]; slots, lengths [N] (see `SlotContext`) -> [N, G, d]."""
+        n, g, _ = x.shape
+        q, k_blk, v_blk = self._block_qkv(x, positions)
+        out = draft_attention(q, k_blk, v_blk, k_cache, v_cache, slots, lengths, backend=self.backends.kernels)
+        return self.o_proj(out.reshape(n, g, -1))
 
 
 class DSparkLayer(nn.Module):
@@ -127,9 +160,14 @@ class DSparkLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, positions, ctx_k, ctx_v, visible):
-        h, x = self.post_attention_layernorm.forward_add(
-            self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, visible), x
-        )
+        return self._finish(self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, visible), x)
+
+    def forward_cached(self, x, positions, k_cache, v_cache, slots, lengths):
+        attn = self.self_attn.forward_cached(self.input_layernorm(x), positions, k_cache, v_cache, slots, lengths)
+        return self._finish(attn, x)
+
+    def _finish(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h, x = self.post_attention_layernorm.forward_add(attn, x)
         return x + self.mlp(h)
 
 
@@ -228,6 +266,17 @@ class DSparkDrafter(PreTrainedModel):
             x = layer(x, positions, k, v, visible)
         return self.norm(x)
 
+    def backbone_cached(
+        self, block_ids: torch.Tensor, anchor_positions: torch.Tensor, context: SlotContext
+    ) -> torch.Tensor:
+        """`backbone` over the serving cache's context rows, read in place: block_ids [N, G], anchor_positions
+        [N], `context` (its lengths at most the anchors' positions) -> final-normed hidden states [N, G, d]."""
+        positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
+        x = self._io()[0](block_ids)
+        for layer, (k, v) in zip(self.layers, context.kv, strict=True):
+            x = layer.forward_cached(x, positions, k, v, context.slots, context.lengths)
+        return self.norm(x)
+
     def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
         """prev_ids [...] -> W2(W1[prev]) [..., V], or None without a Markov head."""
         return None if self.markov_embed is None else self.markov_proj(self.markov_embed(prev_ids))
@@ -294,8 +343,7 @@ class DSparkDrafter(PreTrainedModel):
         self,
         anchor_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
-        ctx: list[tuple[torch.Tensor, torch.Tensor]],
-        ctx_valid: torch.Tensor,
+        context: SlotContext,
         num_tokens: int,
         temperatures: list[float],
         generators: list[torch.Generator | None],
@@ -303,8 +351,8 @@ class DSparkDrafter(PreTrainedModel):
     ) -> Draft:
         """Draft `num_tokens` (<= block_size) tokens for N requests, left to right through the Markov head.
 
-        anchor_ids, anchor_positions [N]; ctx per layer (k, v) [N, C, H, hd] of the tokens before each anchor at
-        positions 0..C-1 (ctx_valid [N, C] marks the real rows). Rows with temperature < 1e-5 draft greedily.
+        anchor_ids, anchor_positions [N]; `context` holds the drafter's keys/values of the tokens before each
+        anchor (row = position). Rows with temperature < 1e-5 draft greedily.
         `with_probs=False` leaves `Draft.probs` None (a greedy batch needs none). Batched over the rows; with
         every row greedy nothing reads a device value on the host (a CUDA graph can capture it).
         """
@@ -317,8 +365,7 @@ class DSparkDrafter(PreTrainedModel):
         device = anchor_ids.device
         block = torch.full((n, g), self.config.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = anchor_ids
-        ctx_pos = torch.arange(ctx_valid.shape[1], device=device).expand_as(ctx_valid)
-        hidden = self.backbone(block, anchor_positions, ctx, ctx_pos, ctx_valid)[:, :num_tokens]
+        hidden = self.backbone_cached(block, anchor_positions, context)[:, :num_tokens]
         base = self._io()[1](hidden).float()
         if not sampled and self.markov_embed is not None:
             # the whole chain and the confidence head in one op: one Triton launch where the switch picks it
