@@ -21,12 +21,19 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def gated_rms_norm_fwd_kernel(x, gate, weight, y, stride_x, stride_g, D, eps, BD: tl.constexpr):
+def _row_offset(row, INNER, stride_outer, stride_inner):
+    """Row `row` of a [outer, INNER, D] layout (INNER = 1: plain strided rows)."""
+    return (row // INNER) * stride_outer + (row % INNER) * stride_inner
+
+
+@triton.jit
+def gated_rms_norm_fwd_kernel(x, gate, weight, y, stride_x, stride_xi, stride_g, stride_gi, INNER, D, eps,
+                              BD: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     mask = o_d < D
-    b_x = tl.load(x + row * stride_x + o_d, mask=mask, other=0.0).to(tl.float32)
-    b_g = tl.load(gate + row * stride_g + o_d, mask=mask, other=0.0).to(tl.float32)
+    b_x = tl.load(x + _row_offset(row, INNER, stride_x, stride_xi) + o_d, mask=mask, other=0.0).to(tl.float32)
+    b_g = tl.load(gate + _row_offset(row, INNER, stride_g, stride_gi) + o_d, mask=mask, other=0.0).to(tl.float32)
     b_w = tl.load(weight + o_d, mask=mask, other=0.0).to(tl.float32)
     # padded lanes load 0, so the sum is over the D real channels only
     b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x) / D + eps)
@@ -35,17 +42,17 @@ def gated_rms_norm_fwd_kernel(x, gate, weight, y, stride_x, stride_g, D, eps, BD
 
 @triton.jit
 def add_rms_norm_fwd_kernel(
-    x, residual, weight, y, h, stride_x, stride_r, D, eps, HAS_RESIDUAL: tl.constexpr, BD: tl.constexpr
-):
+    x, residual, weight, y, h, stride_x, stride_xi, stride_r, stride_ri, INNER, D, eps, HAS_RESIDUAL: tl.constexpr,
+    BD: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
     mask = o_d < D
-    b_h = tl.load(x + row * stride_x + o_d, mask=mask, other=0.0)
+    b_h = tl.load(x + _row_offset(row, INNER, stride_x, stride_xi) + o_d, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # rounded to x's dtype before the norm, as the torch add it replaces
-        b_h = (b_h.to(tl.float32) + tl.load(residual + row * stride_r + o_d, mask=mask, other=0.0).to(tl.float32)).to(
-            b_h.dtype
-        )
+        b_r = tl.load(residual + _row_offset(row, INNER, stride_r, stride_ri) + o_d, mask=mask, other=0.0)
+        b_h = (b_h.to(tl.float32) + b_r.to(tl.float32)).to(b_h.dtype)
         tl.store(h + row * D + o_d, b_h, mask=mask)
     b_f = b_h.to(tl.float32)
     # padded lanes load 0, so the sum is over the D real channels only
@@ -70,10 +77,24 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor, **others: torch.Tensor | 
     return D
 
 
-def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
-    """[..., D] -> [rows, D] with unit stride along D (a view when the layout allows)."""
-    t = t.reshape(-1, D)
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _rows(t: torch.Tensor, D: int, inner: int | None = None) -> tuple[torch.Tensor, int, int, int]:
+    """[..., D] -> (t, or a copy with unit stride along D; stride_outer, stride_inner, INNER): row r starts at
+    (r // INNER) * stride_outer + (r % INNER) * stride_inner. Rows of one stride take INNER = 1; per-head rows of a
+    slice of a wider projection ([..., H, D] whose leading dims merge, but not with H) take INNER = H, so they are
+    read in place rather than copied. `inner` asks for a given INNER (a second operand indexed like the first)."""
+    if t.stride(-1) == 1:
+        try:
+            s = t.view(-1, D).stride(0)
+            return (t, s, 0, 1) if inner in (None, 1) else (t, inner * s, s, inner)
+        except RuntimeError:
+            pass
+        if t.dim() >= 3 and inner in (None, t.shape[-2]):
+            try:
+                heads = t.view(-1, t.shape[-2], D)
+                return t, heads.stride(0), heads.stride(1), t.shape[-2]
+            except RuntimeError:
+                pass
+    return _rows(t.reshape(-1, D).contiguous(), D, inner)
 
 
 def _row_block(D: int) -> dict[str, int]:
@@ -97,11 +118,13 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {list(x.shape)}, got {list(gate.shape)}")
     D = _check_rows(x, weight, gate=gate)
-    x2, g2 = _rows(x, D), _rows(gate, D)
+    x2, sx, sxi, inner = _rows(x, D)
+    g2, sg, sgi, _ = _rows(gate, D, inner)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0] > 0:
-        gated_rms_norm_fwd_kernel[(x2.shape[0],)](
-            x2, g2, weight.contiguous(), y, x2.stride(0), g2.stride(0), D, eps, **_row_block(D)
+    rows = x.numel() // D
+    if rows > 0:
+        gated_rms_norm_fwd_kernel[(rows,)](
+            x2, g2, weight.contiguous(), y, sx, sxi, sg, sgi, inner, D, eps, **_row_block(D)
         )
     return y
 
@@ -127,22 +150,14 @@ def add_rms_norm_triton(
             f"{residual.dtype}"
         )
     D = _check_rows(x, weight, residual=residual)
-    x2 = _rows(x, D)
-    r2 = _rows(residual, D) if residual is not None else x2
+    x2, sx, sxi, inner = _rows(x, D)
+    r2, sr, sri, _ = _rows(residual, D, inner) if residual is not None else (x2, sx, sxi, inner)
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x
-    if x2.shape[0] > 0:
-        add_rms_norm_fwd_kernel[(x2.shape[0],)](
-            x2,
-            r2,
-            weight.contiguous(),
-            y,
-            h,
-            x2.stride(0),
-            r2.stride(0),
-            D,
-            eps,
-            HAS_RESIDUAL=residual is not None,
+    rows = x.numel() // D
+    if rows > 0:
+        add_rms_norm_fwd_kernel[(rows,)](
+            x2, r2, weight.contiguous(), y, h, sx, sxi, sr, sri, inner, D, eps, HAS_RESIDUAL=residual is not None,
             **_row_block(D),
-        )
+        )  # fmt: skip
     return y, h

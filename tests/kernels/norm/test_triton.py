@@ -63,6 +63,28 @@ def test_add_strided_rows_and_mixed_weight_dtype():
     assert_rel_close("y", y, ref, TOL[torch.float16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_per_head_rows_of_a_packed_projection_are_read_in_place(dtype):
+    """q's heads sliced from a packed [q | k | v] projection, [N, G, H, hd] (the DSpark drafter's q/k norms): no
+    single row stride covers them, so the kernels index (token, head) rows in place instead of copying them; a
+    contiguous residual or gate is indexed the same way."""
+    from kimi_helix.kernels.norm.triton import _rows
+
+    n, g, h, d = 2, 3, 4, 32
+    packed = rnd(n, g, 3 * h * d, seed=9, dtype=dtype) * 2.0
+    q = packed[..., : h * d].view(n, g, h, d)
+    rows, stride_outer, stride_inner, inner = _rows(q, d)
+    assert rows is q and (stride_outer, stride_inner, inner) == (3 * h * d, d, h)
+    w, res, gate = rnd(d, seed=10, dtype=dtype), rnd(n, g, h, d, seed=11, dtype=dtype), rnd(n, g, h, d, seed=12)
+    for residual in (None, res):
+        y, s = add_rms_norm_triton(q, residual, w, 1e-6)
+        ref_y, ref_s = add_rms_norm_ref(q, residual, w, 1e-6)
+        assert_rel_close("y", y, ref_y, TOL[dtype])
+        assert_rel_close("h", s, ref_s, TOL[dtype])
+    y = gated_rms_norm_triton(q, gate.to(dtype), w, 1e-6)
+    assert_rel_close("gated", y, gated_rms_norm_ref(q, gate.to(dtype), w, 1e-6), TOL[dtype])
+
+
 def test_empty_input_launches_nothing():
     x = torch.empty(0, 3, 16, device=DEVICE)
     w = torch.ones(16, device=DEVICE)
