@@ -258,9 +258,9 @@ class BackendChoice:
     """The backends one model is forced to, read once when the model or `LLM` is built and passed to its ops.
 
     `attention` forces MLA attention ("torch", "triton", "sdpa"); `kernels` forces KDA, the short conv, the norms,
-    rotary, the router, the MoE experts and the DSpark drafter's Markov chain ("torch", "triton"). None: automatic,
-    per call, from the declared capabilities. The projections' `linear` is always automatic: its Triton GEMV serves
-    decode sizes only.
+    rotary, the router, the MoE experts, the DSpark drafter's Markov chain and its attention ("torch", "triton").
+    None: automatic, per call, from the declared capabilities. The projections' `linear` is always automatic: its
+    Triton GEMV serves decode sizes only.
     """
 
     attention: str | None = None

@@ -1,6 +1,5 @@
 """Draft attention: the Triton kernel against `draft_attention_ref` (fp32, fp16; bf16 in test_gpu.py), with every
-cache row no request sees poisoned with NaN; the reference against a dense fp64 masked softmax; argument checks and
-the switch."""
+cache row no request sees poisoned with NaN; argument checks and the switch."""
 
 from __future__ import annotations
 
@@ -9,33 +8,12 @@ import torch
 
 from kimi_helix.kernels.backends import BackendUnavailableError, OpRequest, select
 from kimi_helix.kernels.draft_attention import draft_attention, draft_attention_ref
-from kimi_helix.kernels.draft_attention.triton import block_c, draft_attention_triton
+from kimi_helix.kernels.draft_attention.triton import draft_attention_triton
 
-from ..conftest import DEVICE, TOL, assert_rel_close, rnd
+from ..conftest import DEVICE, TOL, assert_rel_close
+from .conftest import make_inputs, poison_unseen
 
 pytestmark = pytest.mark.usefixtures("nan_empty")
-
-S, N = 10, 7  # more slots than requests, so unused (poisoned) slots sit between the used ones
-
-
-def _inputs(g, h, d, dtype, seed):
-    """N requests in shuffled slots of S, lengths at 0, 1, a tile edge and either side, two tiles and C (two tiles
-    and a ragged third); q, k_blk, v_blk are views of one packed qkv. Returns (q, k_blk, v_blk, kv [S, C, 2, H, D],
-    slots, lengths): k_ctx, v_ctx = kv.unbind(2) are strided halves of one interleaved cache."""
-    t = block_c(d)
-    c = 2 * t + 5
-    lengths = torch.tensor([0, 1, t - 1, t, t + 1, 2 * t, c], device=DEVICE)
-    slots = torch.randperm(S, generator=torch.Generator().manual_seed(seed))[:N].to(DEVICE)
-    q, k_blk, v_blk = rnd(N, g, 3, h, d, seed=seed, dtype=dtype).unbind(2)
-    return q, k_blk, v_blk, rnd(S, c, 2, h, d, seed=seed + 1, dtype=dtype), slots, lengths
-
-
-def _poisoned(kv, slots, lengths):
-    """A copy of the cache whose rows no request sees (unused slots, rows at or past a length) are NaN."""
-    out = torch.full_like(kv, float("nan"))
-    for s, n in zip(slots.tolist(), lengths.tolist(), strict=True):
-        out[s, :n] = kv[s, :n]
-    return out
 
 
 def _assert_close_per_request(out, ref, tol):
@@ -50,44 +28,27 @@ def _assert_close_per_request(out, ref, tol):
 @pytest.mark.parametrize("g", [1, 4, 7], ids=["G1", "G4", "G7"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_matches_reference(dtype, g, h, d):
-    q, k_blk, v_blk, kv, slots, lengths = _inputs(g, h, d, dtype, seed=g + 10 * h + d)
+    q, k_blk, v_blk, kv, slots, lengths = make_inputs(g, h, d, dtype, seed=g + 10 * h + d)
     ref = draft_attention_ref(q, k_blk, v_blk, *kv.unbind(2), slots, lengths)
-    out = draft_attention_triton(q, k_blk, v_blk, *_poisoned(kv, slots, lengths).unbind(2), slots, lengths)
+    out = draft_attention_triton(q, k_blk, v_blk, *poison_unseen(kv, slots, lengths).unbind(2), slots, lengths)
     _assert_close_per_request(out, ref, TOL[dtype])
 
 
 def test_lengths_outside_the_cache_are_clamped_as_the_reference_masks():
     """A length past C sees all C rows, a negative one none: as the reference's mask, without reading past C."""
-    q, k_blk, v_blk, kv, slots, _ = _inputs(4, 2, 32, torch.float32, seed=3)
+    q, k_blk, v_blk, kv, slots, _ = make_inputs(4, 2, 32, torch.float32, seed=3)
     c = kv.shape[1]
     lengths = torch.tensor([-1, c + 5, 0, c, 3, c + 1, 1], device=DEVICE)
     ref = draft_attention_ref(q, k_blk, v_blk, *kv.unbind(2), slots, lengths)
-    poisoned = _poisoned(kv, slots, lengths.clamp(0, c))
+    poisoned = poison_unseen(kv, slots, lengths.clamp(0, c))
     _assert_close_per_request(draft_attention_triton(q, k_blk, v_blk, *poisoned.unbind(2), slots, lengths), ref, 1e-5)
-
-
-def test_reference_is_a_dense_masked_softmax():
-    """One softmax over the visible context rows and the whole block, at 1 / sqrt(D), written out in fp64."""
-    g, h, d = 4, 2, 32
-    q, k_blk, v_blk, kv, slots, lengths = _inputs(g, h, d, torch.float32, seed=5)
-    out = draft_attention_ref(q, k_blk, v_blk, *kv.unbind(2), slots, lengths)
-    k = torch.cat([kv[slots, :, 0], k_blk], dim=1).double()
-    v = torch.cat([kv[slots, :, 1], v_blk], dim=1).double()
-    scores = torch.einsum("nghd,nkhd->nhgk", q.double(), k) / d**0.5
-    c = kv.shape[1]
-    visible = torch.cat(
-        [torch.arange(c, device=DEVICE)[None] < lengths[:, None], torch.ones(N, g, dtype=torch.bool, device=DEVICE)],
-        dim=1,
-    )
-    weights = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
-    assert_rel_close("out", out, torch.einsum("nhgk,nkhd->nghd", weights, v), TOL[torch.float32])
 
 
 def test_switch_dispatches_and_gates_on_the_head_dim():
     """Both backends agree through the switch (int32 slots and lengths, a given scale); on CUDA a head dim the
     kernel cannot tile falls back to the reference, and forcing Triton says why."""
-    q, k_blk, v_blk, kv, slots, lengths = _inputs(7, 4, 64, torch.float32, seed=7)
-    args = (q, k_blk, v_blk, *_poisoned(kv, slots, lengths).unbind(2), slots.int(), lengths.int())
+    q, k_blk, v_blk, kv, slots, lengths = make_inputs(7, 4, 64, torch.float32, seed=7)
+    args = (q, k_blk, v_blk, *poison_unseen(kv, slots, lengths).unbind(2), slots.int(), lengths.int())
     out = draft_attention(*args, scale=0.3, backend="triton")
     ref = draft_attention(q, k_blk, v_blk, *kv.unbind(2), slots.int(), lengths.int(), scale=0.3, backend="torch")
     _assert_close_per_request(out, ref, TOL[torch.float32])
@@ -98,7 +59,7 @@ def test_switch_dispatches_and_gates_on_the_head_dim():
 
 
 def test_bad_arguments_raise_naming_the_argument():
-    q, k_blk, v_blk, kv, slots, lengths = _inputs(4, 2, 32, torch.float32, seed=9)
+    q, k_blk, v_blk, kv, slots, lengths = make_inputs(4, 2, 32, torch.float32, seed=9)
     k_ctx, v_ctx = kv.unbind(2)
     args = (q, k_blk, v_blk, k_ctx, v_ctx, slots, lengths)
     cases = {
@@ -117,6 +78,6 @@ def test_bad_arguments_raise_naming_the_argument():
         for match, change in cases.items():
             with pytest.raises(ValueError, match=match):
                 fn(*(change.get(i, a) for i, a in enumerate(args)))
-    q48, k48, v48, kv48, slots, lengths = _inputs(1, 1, 48, torch.float32, seed=9)
+    q48, k48, v48, kv48, slots, lengths = make_inputs(1, 1, 48, torch.float32, seed=9)
     with pytest.raises(ValueError, match="head dim D=48 is not a power of two in"):
         draft_attention_triton(q48, k48, v48, *kv48.unbind(2), slots, lengths)
