@@ -104,7 +104,7 @@ class SpeculativeDecoder:
 
     def propose(self, requests: Sequence) -> None:
         """Give every decoding request (its prompt done) drafts for the next step."""
-        ready = [r for r in requests if not r.prefilling and r.num_computed == len(r.token_ids) - 1]
+        ready = [r for r in requests if not r.prefilling and r.pending == 1]  # the anchor alone not yet run
         limit = {r.request_id: min(self.num_tokens, r.params.max_tokens - len(r.output_ids) - 1) for r in ready}
         ready = [r for r in ready if limit[r.request_id] > 0]
         asks = [
