@@ -197,6 +197,8 @@ class LLM:
             model, dtype, device, device_map, (tensor_parallel_size, context_parallel_size), dist_timeout_s
         )
         self.tokenizer = tokenizer if tokenizer is not None else _folder_tokenizer(folder)
+        eos = self.model.config.eos_token_id  # read once: a config attribute costs microseconds, tokens are many
+        self._eos_ids = frozenset(eos if isinstance(eos, list) else [eos]) if eos is not None else frozenset()
         self.backends = backends
         self.model.model.set_backends(backends)
         self.max_model_len = self._check_max_model_len(max_model_len)
@@ -511,17 +513,15 @@ class LLM:
     def _finish_if_done(self, request: Request, upto: int) -> bool:
         """Finish `request` if its first `upto` output tokens end it (EOS, a stop token or string, max_tokens);
         the tokens after them, placeholders of steps in flight, are dropped then. Returns whether it finished."""
-        output, token = request.output_ids[:upto], request.output_ids[upto - 1]
-        params, eos = request.params, self.model.config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        token, params = request.output_ids[upto - 1], request.params
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos_ids):
             reason = "stop"
         elif upto >= params.max_tokens:
             reason = "length"
         text = None
         if params.stop:  # `_make_request` made sure there is a tokenizer
-            text = self.tokenizer.decode(output, skip_special_tokens=True)
+            text = self.tokenizer.decode(request.output_ids[:upto], skip_special_tokens=True)
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:  # the text before the earliest stop string, '' when it matches at the very start
                 text, reason = text[: min(hits)], "stop"
@@ -529,7 +529,7 @@ class LLM:
             return False
         del request.output_ids[upto:]
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(output, skip_special_tokens=True)
+            text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         request.text = text or ""
         # Zero the state slot on release: the next sequence in it must start from an empty state.
         self.cache.reset_state(self.cache.ledger.seqs[request.request_id].slot)

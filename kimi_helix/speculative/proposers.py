@@ -168,6 +168,7 @@ class DSparkProposer(Proposer):
             raise ValueError(f"max_seqs must be an int >= 1, got {max_seqs!r}")
         self.drafter = drafter
         self.target_layer_ids = list(drafter.config.target_layer_ids)
+        self.block_size = drafter.config.block_size  # read once: a config attribute costs microseconds a round
         self.cache = ContextCache(drafter, min(max_seqs, 8), 256)
         device = self.cache.device
         self.graphs = DraftGraphs(drafter, self.cache, default_buckets(max_seqs)) if use_graphs else None
@@ -309,7 +310,7 @@ class DSparkProposer(Proposer):
                     f"request {r.seq_id}: the draft context holds {self.context_len(r.seq_id)} tokens but the anchor "
                     f"sits at position {len(r.token_ids) - 1}; observe() every token the target runs"
                 )
-        k = min(max(r.num_tokens for r in requests), self.drafter.config.block_size)
+        k = min(max(r.num_tokens for r in requests), self.block_size)
         slots = [self.cache.slot(r.seq_id) for r in requests]
         anchors = [r.token_ids[-1] for r in requests]
         inputs = np.array([anchors, [len(r.token_ids) - 1 for r in requests], slots], dtype=np.int64)
