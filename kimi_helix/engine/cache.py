@@ -70,15 +70,15 @@ class SequenceBlocks:
     tokens it reserved at admission.
 
     row: [pages reserved] int32 host mirror of `pages` (entries past the mapped ones are stale), kept by the
-    ledger so that staging a step's block table builds no tensor from a list."""
+    ledger as a numpy array so that staging a step's block table converts nothing."""
 
     slot: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
     reserve_tokens: int = 0
-    row: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32), repr=False)
+    row: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), repr=False)
 
-    def table_row(self) -> torch.Tensor:
+    def table_row(self) -> np.ndarray:
         """[len(pages)] int32 host page ids: the sequence's block-table row."""
         return self.row[: len(self.pages)]
 
@@ -124,7 +124,7 @@ class PageLedger:
                 f"cannot admit sequence {seq_id}: no free slot or fewer than "
                 f"{self.pages_for(reserve_tokens)} unreserved pages"
             )
-        row = torch.zeros(cdiv(reserve_tokens, self.page_size), dtype=torch.int32)
+        row = np.zeros(cdiv(reserve_tokens, self.page_size), dtype=np.int32)
         blocks = SequenceBlocks(slot=self.free_slots.pop(), reserve_tokens=reserve_tokens, row=row)
         self.seqs[seq_id] = blocks
         self.reserved_pages += self.pages_for(reserve_tokens)
@@ -141,7 +141,7 @@ class PageLedger:
         if need > have:
             new = self._take(have, need)
             blocks.pages.extend(new)
-            blocks.row[have:need] = torch.tensor(new, dtype=torch.int32)
+            blocks.row[have:need] = new
         return blocks
 
     def truncate(self, seq_id: int, num_keep: int) -> None:
@@ -238,7 +238,7 @@ class PagedCache:
         width = width or max(len(b.row) for b in blocks)
         table = torch.zeros(len(blocks), width, dtype=torch.int32)
         for i, b in enumerate(blocks):
-            table[i, : len(b.pages)] = b.table_row()
+            table[i, : len(b.pages)] = torch.from_numpy(b.table_row())
         return table
 
     def view(self, seq_ids: list[int], backend: str | None = None) -> CacheView:
@@ -378,7 +378,7 @@ class CacheView:
         ledger, ps = self.cache.ledger, self.cache.ledger.page_size
         seq_ids = self.seq_ids[run.seqs]
         slots = [
-            ledger.seqs[s].row.numpy()[np.arange(total) // ps] * ps + np.arange(total) % ps
+            ledger.seqs[s].row[np.arange(total) // ps] * ps + np.arange(total) % ps
             for s, total in zip(seq_ids, run.batch.total_lens())
         ]
         host = torch.from_numpy(np.concatenate([*slots, run.batch.host_cu_totals.numpy()]).astype(np.int32))

@@ -232,7 +232,7 @@ class ModelRunner:
         for r, phase, ctx, m in zip(reqs, step.phases, contexts, step.num_tokens):
             wanted = self._logit_tokens(r, phase, ctx, m)
             rows.append(slice(len(index), len(index) + len(wanted)))
-            index.extend(start + j for j in wanted)
+            index.extend(range(start + wanted.start, start + wanted.stop))
             start += m
         host = self.buffers.host_fields(t, n, len(index))
         self._stage_live(host, step, contexts)
@@ -276,7 +276,7 @@ class ModelRunner:
         table = host.block_table[:n]
         table.fill(0)  # unused entries: page 0, never read (the kernels stop at each sequence's length)
         for row, b in zip(table, blocks):
-            pages = b.table_row().numpy()
+            pages = b.table_row()
             row[: pages.shape[0]] = pages
         host.input_ids[:t] = [tok for ids in step.token_ids for tok in ids]
         seq = np.repeat(np.arange(n), lens)
