@@ -16,6 +16,13 @@ needs_triton = pytest.mark.skipif(
 )
 
 
+def assert_matches_reference(got, inputs, scale, out_tol=1e-5):
+    """(out, lse) of the kernel against `mla_prefill_ref(*inputs, scale)`: out to `out_tol`, lse to 1e-5."""
+    r_out, r_lse = mla_prefill_ref(*inputs, scale)
+    assert_rel_close("out", got[0], r_out, out_tol)
+    assert_rel_close("lse", got[1], r_lse, 1e-5)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H", [1, 3])
@@ -23,10 +30,8 @@ needs_triton = pytest.mark.skipif(
 def test_prefill_triton_matches_reference(dtype, H, dims, nan_empty):
     q, k, v, cu_q, cu_k = make_inputs(PAIRS, H, *dims, dtype, seed=H)
     out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
-    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert_rel_close("out", out, r_out, TOL[dtype])
-    assert_rel_close("lse", lse, r_lse, 1e-5)
+    assert_matches_reference((out, lse), (q, k, v, cu_q, cu_k), 0.25, TOL[dtype])
 
 
 @needs_triton
@@ -34,10 +39,8 @@ def test_triton_kimi_dims(nan_empty):
     """Dqk 192 = 128 + 64, Dv 128, with a cached prefix; Kimi's scale is (128 + 64) ** -0.5."""
     pairs = [(3, 20), (18, 18)]
     q, k, v, cu_q, cu_k = make_inputs(pairs, 2, 192, 128, torch.float32)
-    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
-    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 192**-0.5)
-    assert_rel_close("out", out, r_out, 1e-5)
-    assert_rel_close("lse", lse, r_lse, 1e-5)
+    got = mla_prefill_triton(q, k, v, cu_q, cu_k, 192**-0.5)
+    assert_matches_reference(got, (q, k, v, cu_q, cu_k), 192**-0.5)
 
 
 @needs_triton
@@ -47,10 +50,8 @@ def test_triton_every_prefix_remainder(tq, nan_empty):
     block_n = tile_config(torch.float32, 32, 16)[1]
     pairs = prefix_sweep(block_n, tq)
     q, k, v, cu_q, cu_k = make_inputs(pairs, 1, 32, 16, torch.float32, seed=tq)
-    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
-    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
-    assert_rel_close("out", out, r_out, 1e-5)
-    assert_rel_close("lse", lse, r_lse, 1e-5)
+    got = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25)
+    assert_matches_reference(got, (q, k, v, cu_q, cu_k), 0.25)
 
 
 @needs_triton
@@ -60,10 +61,8 @@ def test_triton_strided_inputs():
     q_wide = torch.cat([q, torch.randn_like(q)], dim=-1)[..., :48]  # token and head strides of a 96-wide buffer
     k_head_major = k.transpose(0, 1).contiguous().transpose(0, 1)
     v_cols = v.transpose(-1, -2).contiguous().transpose(-1, -2)  # last-dim stride != 1
-    out, lse = mla_prefill_triton(q_wide, k_head_major, v_cols, cu_q, cu_k, 0.25)
-    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
-    assert_rel_close("out", out, r_out, 1e-5)
-    assert_rel_close("lse", lse, r_lse, 1e-5)
+    got = mla_prefill_triton(q_wide, k_head_major, v_cols, cu_q, cu_k, 0.25)
+    assert_matches_reference(got, (q, k, v, cu_q, cu_k), 0.25)
 
 
 @needs_triton
@@ -121,10 +120,8 @@ def _host(cu: torch.Tensor) -> torch.Tensor:
 @needs_triton
 def test_triton_host_offsets_match_device_offsets(nan_empty):
     q, k, v, cu_q, cu_k = make_inputs(PAIRS, 2, 48, 16, torch.float32)
-    out, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25, host_offsets=(_host(cu_q), _host(cu_k).tolist()))
-    r_out, r_lse = mla_prefill_ref(q, k, v, cu_q, cu_k, 0.25)
-    assert_rel_close("out", out, r_out, 1e-5)
-    assert_rel_close("lse", lse, r_lse, 1e-5)
+    got = mla_prefill_triton(q, k, v, cu_q, cu_k, 0.25, host_offsets=(_host(cu_q), _host(cu_k).tolist()))
+    assert_matches_reference(got, (q, k, v, cu_q, cu_k), 0.25)
 
 
 @needs_triton
