@@ -96,6 +96,7 @@ class SpeculativeDecoder:
         self._device_rows: dict[int, int] = {}
         self._patch = PinnedUpload(2, 64, self.device)  # (input row, draft index) pairs of a patch
         self._verified = PinnedDownload(self.device)  # a round's drafts and argmax rows, on their way to the host
+        self._argmax = torch.zeros(0, dtype=torch.long, device=self.device)  # at fixed addresses (`draft_ahead`)
         self.capture = (
             TargetFeatureCapture(model, proposer.target_layer_ids, max_tokens).attach()
             if proposer.target_layer_ids
@@ -228,10 +229,10 @@ class SpeculativeDecoder:
             self.metrics.add(len(step.token_ids[i]) - 1, result.num_accepted)
         return dict(zip(groups, results))
 
-    @staticmethod
-    def _greedy_argmax(step, out, groups: list[int]) -> torch.Tensor | None:
+    def _greedy_argmax(self, step, out, groups: list[int]) -> torch.Tensor | None:
         """The argmax of every greedy group's rows, on the device ([R] int64, the groups' k + 1 rows in order: a
-        group's rows are the last of its request's rows), or None without greedy groups."""
+        group's rows are the last of its request's rows; in a buffer of fixed address, which the proposer's
+        draft-ahead graph reads), or None without greedy groups."""
         if not groups:
             return None
         spans = [(out.rows[i].stop - len(step.token_ids[i]), out.rows[i].stop) for i in groups]
@@ -241,7 +242,9 @@ class SpeculativeDecoder:
         else:
             index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
             rows = out.logits.index_select(0, index.to(out.logits.device, non_blocking=True))
-        return rows.argmax(dim=-1)  # the same argmax as `sample`
+        if self._argmax.numel() < rows.shape[0]:
+            self._argmax = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+        return torch.argmax(rows, dim=-1, out=self._argmax[: rows.shape[0]])  # the same argmax as `sample`
 
     @staticmethod
     def _accept_greedy(step, groups: list[int], best: list[int]) -> list[VerifyResult]:

@@ -18,7 +18,7 @@ import torch
 
 from ..engine.cuda_graph import default_buckets
 from ..engine.sampling import GREEDY_TEMPERATURE
-from .dspark.drafting import ContextCache, DraftGraphs, PinnedDownload, PinnedUpload, greedy_draft
+from .dspark.drafting import ContextCache, DraftGraphs, PinnedDownload, PinnedUpload, advance_greedy, greedy_draft
 from .dspark.model import DSparkDrafter
 
 
@@ -57,12 +57,15 @@ class DeviceDrafts:
 @dataclass
 class _GreedyRound:
     """A greedy round of `DSparkProposer.propose_on_device`: its requests, drafts k, device inputs [3, N] (the
-    graph's static inputs or the eager upload) and `redraft`, which drafts again from those inputs as they stand."""
+    graph's static inputs or the eager upload), `redraft`, which drafts again from those inputs as they stand, and
+    for graphed rounds `advance`, which advances them by the device's acceptance and drafts in one replay
+    (`DraftGraphs.advance`; None when it cannot)."""
 
     seq_ids: tuple[int, ...]
     k: int
     inputs: torch.Tensor
     redraft: Callable[[], torch.Tensor | None]
+    advance: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -177,6 +180,7 @@ class DSparkProposer(Proposer):
         self._round: _GreedyRound | None = None  # the last greedy round, which `draft_ahead` continues
         self._ahead: _DraftAhead | None = None
         self._derived = PinnedDownload(device)
+        self._drafts = torch.zeros(0, dtype=torch.int64, device=device)  # device drafts: fixed addresses a round
         self.drafted_ahead = self.served_ahead = 0  # rounds drafted by `draft_ahead`, and those then served
 
     def context_len(self, seq_id: int) -> int:
@@ -260,7 +264,12 @@ class DSparkProposer(Proposer):
             self.served_ahead += 1
         else:
             packed, self._round = self._greedy_round(seq_ids, inputs, k)
-        return DeviceDrafts(packed[:, :k].long(), [min(r.num_tokens, k) for r in requests])
+        n = len(requests)
+        if self._drafts.numel() < n * k:
+            self._drafts = torch.zeros(n * k, dtype=torch.int64, device=self.cache.device)
+        tokens = self._drafts[: n * k].view(n, k)  # at the address `DraftGraphs.advance` captured them at
+        tokens.copy_(packed[:, :k])
+        return DeviceDrafts(tokens, [min(r.num_tokens, k) for r in requests])
 
     def _serves(self, ahead: _DraftAhead | None, seq_ids, inputs: np.ndarray, k: int) -> bool:
         """Whether the drafts launched ahead are this round's: same requests and k, and the anchors, positions
@@ -277,7 +286,8 @@ class DSparkProposer(Proposer):
             packed = self.graphs.run(inputs, k)
             if packed is not None:
                 graphs = self.graphs
-                return packed, _GreedyRound(seq_ids, k, graphs.inputs.dev[:, :n], lambda: graphs.replay(n, k))
+                return packed, _GreedyRound(seq_ids, k, graphs.inputs.dev[:, :n], lambda: graphs.replay(n, k),
+                                            lambda argmax, drafts: graphs.advance(n, k, argmax, drafts))  # fmt: skip
         dev = self._upload(inputs)
         redraft = lambda: greedy_draft(self.drafter, self.cache, dev, k)  # noqa: E731
         return redraft(), _GreedyRound(seq_ids, k, dev, redraft)
@@ -287,17 +297,20 @@ class DSparkProposer(Proposer):
         """Greedy acceptance on the device: request i keeps its first a_i drafts (those equal to the target's
         argmax), so its next anchor is argmax[i, a_i] at position p_i + a_i + 1, and its draft context then
         holds exactly the rows before it (the context write of this step came first). The last round's device
-        inputs are rewritten to those and drafted from again, with nothing read on the host."""
+        inputs are rewritten to those and drafted from again, with nothing read on the host: one graph replay
+        for a graphed round (`DraftGraphs.advance`), else `advance_greedy` and the draft."""
         last, self._round = self._round, None
         if last is None or tuple(seq_ids) != last.seq_ids or drafts.shape != (len(last.seq_ids), last.k):
             return False
-        accepted = (argmax[:, :-1] == drafts).cumprod(dim=1).sum(dim=1)
-        last.inputs[0].copy_(argmax.gather(1, accepted[:, None])[:, 0])
-        last.inputs[1].add_(accepted + 1)
-        self._derived.fetch(last.inputs)
-        packed = last.redraft()
+        packed = None if last.advance is None else last.advance(argmax, drafts)
         if packed is None:
-            return False
+            advance_greedy(last.inputs, argmax, drafts)
+            self._derived.fetch(last.inputs)  # queued before the draft: `_serves` need not wait for it
+            packed = last.redraft()
+            if packed is None:
+                return False
+        else:
+            self._derived.fetch(last.inputs)
         self._ahead = _DraftAhead(last, packed, self._derived, self.cache.generation)
         self.drafted_ahead += 1
         return True

@@ -13,7 +13,9 @@ or tokens in Python, and nothing reads a device value on the host except the one
   per (batch bucket, drafts); its static inputs are the anchor ids, anchor positions (= context lengths) and
   slot indices, and its output packs tokens and confidences in one tensor, read with one copy. It also captures
   the context write of a step's features (`ContextCache.write`) per token count, for features that sit in a
-  static buffer (the engine's `TargetFeatureCapture`), with the tokens' (slot, position) as static input.
+  static buffer (the engine's `TargetFeatureCapture`), with the tokens' (slot, position) as static input, and
+  the next round's draft from the device's greedy acceptance (`advance_greedy`, then the draft) per batch, drafts
+  and the addresses of the acceptance's inputs.
 """
 
 from __future__ import annotations
@@ -179,6 +181,16 @@ def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tens
     return torch.cat([draft.tokens.double(), conf.double()], dim=1)
 
 
+def advance_greedy(inputs: torch.Tensor, argmax: torch.Tensor, drafts: torch.Tensor) -> None:
+    """Greedy acceptance on the device, with no host reads (capturable): request i keeps its first a_i drafts
+    (those equal to the target's argmax at their rows), so its next anchor is argmax[i, a_i] at position
+    p_i + a_i + 1. inputs [3, N] int64 (anchor ids, positions, slots) are rewritten in place from argmax
+    [N, k + 1] and drafts [N, k] int64."""
+    accepted = (argmax[:, :-1] == drafts).cumprod(dim=1).sum(dim=1)
+    inputs[0].copy_(argmax.gather(1, accepted[:, None])[:, 0])
+    inputs[1].add_(accepted + 1)
+
+
 class DraftGraphs:
     """CUDA graphs of `greedy_draft` per (bucket, num_tokens) and of `ContextCache.write` per token count,
     captured on first use and dropped when the cache reallocates. A batch of n requests replays the smallest
@@ -188,6 +200,7 @@ class DraftGraphs:
 
     MAX_WRITE_TOKENS = 64  # larger steps (prefill chunks) write eagerly
     MAX_WRITE_GRAPHS = 32  # features at other addresses (not the engine's buffer) stop being captured
+    MAX_ADVANCE_GRAPHS = 32  # likewise for the acceptance's inputs of `advance`
 
     def __init__(self, drafter: DSparkDrafter, cache: ContextCache, buckets: tuple[int, ...]):
         if cache.device.type != "cuda":
@@ -197,6 +210,7 @@ class DraftGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.writes: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.advances: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.failed: str | None = None  # why a capture failed: everything runs eagerly from then on
         self._where = PinnedUpload(2, self.MAX_WRITE_TOKENS, cache.device)
         self._generation = cache.generation
@@ -205,6 +219,7 @@ class DraftGraphs:
         if self._generation != self.cache.generation:  # the cache's tensors moved: every graph reads old ones
             self.graphs.clear()
             self.writes.clear()
+            self.advances.clear()
             self._generation = self.cache.generation
 
     @torch.no_grad()
@@ -284,5 +299,36 @@ class DraftGraphs:
         if recorded is None or self.failed:
             return None
         graph, out = recorded
+        graph.replay()
+        return out[:n]
+
+    @torch.no_grad()
+    def advance(self, n: int, num_tokens: int, argmax: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor | None:
+        """`advance_greedy` of the first n static inputs (as `run` staged them, or the last advance left them)
+        from argmax [n, k + 1] and drafts [n, k], then the greedy draft of their bucket, in ONE replay: packed
+        [n, 2 * num_tokens]. The graph reads argmax and drafts where it was captured, so it is keyed by their
+        addresses (the engine and `DSparkProposer` keep them in static buffers). None, with nothing done, when
+        n exceeds the largest bucket, capturing failed or too many addresses came (the caller advances eagerly)."""
+        bucket = self.bucket(n)
+        if bucket is None or self.failed:
+            return None
+        self._check_generation()
+        key = (n, num_tokens, argmax.data_ptr(), argmax.shape, drafts.data_ptr(), drafts.shape)
+        if key not in self.advances:
+            if len(self.advances) >= self.MAX_ADVANCE_GRAPHS:
+                return None
+            live, static = self.inputs.dev[:, :n], self.inputs.dev[:, :bucket]
+            before = live.clone()
+
+            def step():
+                advance_greedy(live, argmax, drafts)
+                return greedy_draft(self.drafter, self.cache, static, num_tokens)
+
+            recorded = self._record(step)
+            live.copy_(before)  # undo the warm-up's advance: the replay below advances once
+            if recorded is None:
+                return None
+            self.advances[key] = recorded
+        graph, out = self.advances[key]
         graph.replay()
         return out[:n]
