@@ -10,6 +10,7 @@ See docs/speculative.md for writing a custom proposer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,14 +59,14 @@ class DeviceDrafts:
 class _GreedyRound:
     """A greedy round of `DSparkProposer.propose_on_device`: its requests, drafts k, device inputs [3, N] (the
     graph's static inputs or the eager upload), `redraft`, which drafts again from those inputs as they stand, and
-    for graphed rounds `advance`, which advances them by the device's acceptance and drafts in one replay
-    (`DraftGraphs.advance`; None when it cannot)."""
+    for graphed rounds `advance`, which (writes the verify step's context rows,) advances them by the device's
+    acceptance and drafts in one replay (`DraftGraphs.advance`; None when it cannot)."""
 
     seq_ids: tuple[int, ...]
     k: int
     inputs: torch.Tensor
     redraft: Callable[[], torch.Tensor | None]
-    advance: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+    advance: Callable[..., torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -181,6 +182,9 @@ class DSparkProposer(Proposer):
         self._ahead: _DraftAhead | None = None
         self._derived = PinnedDownload(device)
         self._drafts = torch.zeros(0, dtype=torch.int64, device=device)  # device drafts: fixed addresses a round
+        self._round_inputs: np.ndarray | None = None  # the host copy of `_round`'s inputs [3, N]
+        # (features, slots, starts, counts) of a verify step's context write left to `draft_ahead` (`_defers`)
+        self._pending: tuple | None = None
         self.drafted_ahead = self.served_ahead = 0  # rounds drafted by `draft_ahead`, and those then served
 
     def context_len(self, seq_id: int) -> int:
@@ -192,7 +196,10 @@ class DSparkProposer(Proposer):
     @torch.no_grad()
     def observe_step(self, seq_ids, starts, counts, features: torch.Tensor) -> None:
         """Every request's features of one step at once: one context projection and one in-place write per
-        layer. seq_ids, starts, counts: per request; features [sum(counts), m*d] in that order."""
+        layer. seq_ids, starts, counts: per request; features [sum(counts), m*d] in that order. The write of a
+        graphed greedy round's verify step is left to `draft_ahead`, whose replay writes, advances and drafts
+        (`_defers`); anything else that reads or writes the context first writes it (`_flush`)."""
+        self._flush()
         for seq_id, start in zip(seq_ids, starts):
             if start != self.context_len(seq_id):
                 raise ValueError(
@@ -203,6 +210,27 @@ class DSparkProposer(Proposer):
             raise ValueError(f"features hold {features.shape[0]} rows, the counts {counts} sum to {sum(counts)}")
         slots = [self.cache.slot(s) for s in seq_ids]  # may grow the cache (and bump its generation)
         self.cache.reserve(max(s + n for s, n in zip(starts, counts)))
+        if self._defers(seq_ids, starts, counts, slots):
+            self._pending = (features, slots, starts, counts)
+        else:
+            self._write(features, slots, starts, counts)
+        for seq_id, start, n in zip(seq_ids, starts, counts):
+            self.cache.length[seq_id] = start + n
+
+    def _defers(self, seq_ids, starts, counts, slots) -> bool:
+        """Whether a step's context write can wait for `draft_ahead`: the step is exactly the graphed greedy
+        round's verify groups, in its order, each of all k drafts, at the anchors' positions and slots (so the
+        advance graph finds every token's (slot, position) in its static inputs)."""
+        last, host = self._round, self._round_inputs
+        if last is None or last.advance is None or host is None or tuple(seq_ids) != last.seq_ids:
+            return False
+        if any(n != last.k + 1 for n in counts):
+            return False
+        return list(starts) == host[1].tolist() and list(slots) == host[2].tolist()
+
+    def _write(self, features: torch.Tensor, slots, starts, counts) -> None:
+        """`ContextCache.write` of features [T, m*d], request i's counts[i] rows at positions starts[i].. of slot
+        slots[i]: a graph replay where one serves, else eagerly."""
         counts_np = np.asarray(counts, dtype=np.int64)
         before = np.cumsum(counts_np) - counts_np  # the step's tokens before each request's
         where = np.stack(
@@ -217,17 +245,23 @@ class DSparkProposer(Proposer):
                 self._observed = PinnedUpload(2, cols, self.cache.device)
             dev = self._observed.put(where)
             self.cache.write(dev[0], dev[1], features)
-        for seq_id, start, n in zip(seq_ids, starts, counts):
-            self.cache.length[seq_id] = start + n
+
+    def _flush(self) -> None:
+        """Write the context rows `observe_step` left to `draft_ahead`, if they are still pending."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._write(*pending)
 
     def rollback(self, seq_id: int, num_keep: int) -> None:
         if seq_id in self.cache.length:
             self.cache.length[seq_id] = min(self.cache.length[seq_id], num_keep)
 
     def release(self, seq_id: int) -> None:
+        self._flush()  # before the slot can pass to another request
         self.cache.release(seq_id)
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
+        self._flush()
         self._ahead = self._round = None  # a replay here may overwrite drafts launched ahead
         if not requests:
             return []
@@ -252,10 +286,11 @@ class DSparkProposer(Proposer):
     def propose_on_device(self, requests: Sequence[ProposalRequest]) -> DeviceDrafts | None:
         """All-greedy rounds: the draft forward (graph-replayed where it can be) with its tokens left on the device,
         so the drafter runs while the host stages the verify step."""
+        self._flush()
         if not requests:
             return None
         inputs, k, greedy = self._inputs(requests)
-        ahead, self._ahead, self._round = self._ahead, None, None
+        ahead, self._ahead, self._round, self._round_inputs = self._ahead, None, None, None
         if not greedy:
             return None
         seq_ids = tuple(r.seq_id for r in requests)
@@ -264,6 +299,7 @@ class DSparkProposer(Proposer):
             self.served_ahead += 1
         else:
             packed, self._round = self._greedy_round(seq_ids, inputs, k)
+        self._round_inputs = inputs
         n = len(requests)
         if self._drafts.numel() < n * k:
             self._drafts = torch.zeros(n * k, dtype=torch.int64, device=self.cache.device)
@@ -287,7 +323,7 @@ class DSparkProposer(Proposer):
             if packed is not None:
                 graphs = self.graphs
                 return packed, _GreedyRound(seq_ids, k, graphs.inputs.dev[:, :n], lambda: graphs.replay(n, k),
-                                            lambda argmax, drafts: graphs.advance(n, k, argmax, drafts))  # fmt: skip
+                                            functools.partial(graphs.advance, n, k))  # fmt: skip
         dev = self._upload(inputs)
         redraft = lambda: greedy_draft(self.drafter, self.cache, dev, k)  # noqa: E731
         return redraft(), _GreedyRound(seq_ids, k, dev, redraft)
@@ -301,9 +337,14 @@ class DSparkProposer(Proposer):
         for a graphed round (`DraftGraphs.advance`), else `advance_greedy` and the draft."""
         last, self._round = self._round, None
         if last is None or tuple(seq_ids) != last.seq_ids or drafts.shape != (len(last.seq_ids), last.k):
+            self._flush()
             return False
-        packed = None if last.advance is None else last.advance(argmax, drafts)
+        pending, self._pending = self._pending, None
+        features = None if pending is None else pending[0]
+        packed = None if last.advance is None else last.advance(argmax, drafts, features)
         if packed is None:
+            if pending is not None:
+                self._write(*pending)
             advance_greedy(last.inputs, argmax, drafts)
             self._derived.fetch(last.inputs)  # queued before the draft: `_serves` need not wait for it
             packed = last.redraft()

@@ -167,7 +167,7 @@ def test_graphed_target_steps_capture_the_eager_features(tmp_path):
 def test_dspark_on_the_demo_model_with_graphs_equals_plain_greedy_fp32():
     """The demo model and its shipped drafter in fp32 on the GPU, target and draft graphs on, k=5, two prompts
     at once: DSpark's greedy output equals plain greedy decoding's token for token, with the next round's drafts
-    replayed from the device's acceptance (`draft_ahead`) and served."""
+    replayed from the device's acceptance (`draft_ahead`, with the verify step's context write) and served."""
     _cuda()
     prompts = [[5, 17, 99, 240, 31, 8], [77, 1000, 12, 5]]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -179,3 +179,5 @@ def test_dspark_on_the_demo_model_with_graphs_equals_plain_greedy_fp32():
     graphs = llm.speculative.proposer.graphs
     assert graphs.graphs and graphs.writes and not graphs.failed and llm.speculative.metrics.rounds > 0
     assert llm.speculative.proposer.served_ahead > 0
+    # each round's acceptance, its verify step's context write and the next draft ran as one replay
+    assert any(key[-1] is not None for key in graphs.advances)

@@ -303,17 +303,23 @@ class DraftGraphs:
         return out[:n]
 
     @torch.no_grad()
-    def advance(self, n: int, num_tokens: int, argmax: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor | None:
+    def advance(
+        self, n: int, num_tokens: int, argmax: torch.Tensor, drafts: torch.Tensor, features: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """`advance_greedy` of the first n static inputs (as `run` staged them, or the last advance left them)
         from argmax [n, k + 1] and drafts [n, k], then the greedy draft of their bucket, in ONE replay: packed
-        [n, 2 * num_tokens]. The graph reads argmax and drafts where it was captured, so it is keyed by their
-        addresses (the engine and `DSparkProposer` keep them in static buffers). None, with nothing done, when
-        n exceeds the largest bucket, capturing failed or too many addresses came (the caller advances eagerly)."""
+        [n, 2 * num_tokens]. With features [n * (k + 1), m*d] (the verify step's, each request's k + 1 tokens
+        from its anchor on) their context rows are written first, at the slots and positions the inputs hold.
+        The graph reads argmax, drafts and features where it was captured, so it is keyed by their addresses (the
+        engine and `DSparkProposer` keep them in static buffers). None, with nothing done, when n exceeds the
+        largest bucket, capturing failed or too many addresses came (the caller goes on eagerly)."""
         bucket = self.bucket(n)
         if bucket is None or self.failed:
             return None
         self._check_generation()
-        key = (n, num_tokens, argmax.data_ptr(), argmax.shape, drafts.data_ptr(), drafts.shape)
+        group = argmax.shape[1]
+        address = lambda t: None if t is None else (t.data_ptr(), tuple(t.shape))  # noqa: E731
+        key = (n, num_tokens, address(argmax), address(drafts), address(features))
         if key not in self.advances:
             if len(self.advances) >= self.MAX_ADVANCE_GRAPHS:
                 return None
@@ -321,6 +327,10 @@ class DraftGraphs:
             before = live.clone()
 
             def step():
+                if features is not None:  # token t of request i sits at its anchor's position + t, in its slot
+                    offsets = torch.arange(group, device=live.device)
+                    slots = live[2].repeat_interleave(group, output_size=n * group)
+                    self.cache.write(slots, (live[1][:, None] + offsets).reshape(-1), features)
                 advance_greedy(live, argmax, drafts)
                 return greedy_draft(self.drafter, self.cache, static, num_tokens)
 
