@@ -19,7 +19,15 @@ import torch
 
 from ..engine.cuda_graph import default_buckets
 from ..engine.sampling import GREEDY_TEMPERATURE
-from .dspark.drafting import ContextCache, DraftGraphs, PinnedDownload, PinnedUpload, advance_greedy, greedy_draft
+from .dspark.drafting import (
+    ContextCache,
+    DraftGraphs,
+    PinnedDownload,
+    PinnedUpload,
+    advance_and_draft,
+    advance_greedy,
+    greedy_draft,
+)
 from .dspark.model import DSparkDrafter
 
 
@@ -59,14 +67,15 @@ class DeviceDrafts:
 class _GreedyRound:
     """A greedy round of `DSparkProposer.propose_on_device`: its requests, drafts k, device inputs [3, N] (the
     graph's static inputs or the eager upload), `redraft`, which drafts again from those inputs as they stand, and
-    for graphed rounds `advance`, which (writes the verify step's context rows,) advances them by the device's
-    acceptance and drafts in one replay (`DraftGraphs.advance`; None when it cannot)."""
+    `advance`, which (writes the verify step's context rows,) advances them by the device's acceptance and drafts:
+    `drafting.advance_and_draft`, one graph replay for a graphed round (`DraftGraphs.advance`, None when it
+    cannot)."""
 
     seq_ids: tuple[int, ...]
     k: int
     inputs: torch.Tensor
     redraft: Callable[[], torch.Tensor | None]
-    advance: Callable[..., torch.Tensor | None] | None = None
+    advance: Callable[..., torch.Tensor | None]
 
 
 @dataclass
@@ -197,8 +206,9 @@ class DSparkProposer(Proposer):
     def observe_step(self, seq_ids, starts, counts, features: torch.Tensor) -> None:
         """Every request's features of one step at once: one context projection and one in-place write per
         layer. seq_ids, starts, counts: per request; features [sum(counts), m*d] in that order. The write of a
-        graphed greedy round's verify step is left to `draft_ahead`, whose replay writes, advances and drafts
-        (`_defers`); anything else that reads or writes the context first writes it (`_flush`)."""
+        greedy round's verify step is left to `draft_ahead`, which writes, advances and drafts at once (one
+        replay where graphed; `_defers`); anything else that reads or writes the context first writes it
+        (`_flush`)."""
         self._flush()
         for seq_id, start in zip(seq_ids, starts):
             if start != self.context_len(seq_id):
@@ -218,11 +228,11 @@ class DSparkProposer(Proposer):
             self.cache.length[seq_id] = start + n
 
     def _defers(self, seq_ids, starts, counts, slots) -> bool:
-        """Whether a step's context write can wait for `draft_ahead`: the step is exactly the graphed greedy
+        """Whether a step's context write can wait for `draft_ahead`: the step is exactly the greedy
         round's verify groups, in its order, each of all k drafts, at the anchors' positions and slots (so the
         advance graph finds every token's (slot, position) in its static inputs)."""
         last, host = self._round, self._round_inputs
-        if last is None or last.advance is None or host is None or tuple(seq_ids) != last.seq_ids:
+        if last is None or host is None or tuple(seq_ids) != last.seq_ids:
             return False
         if any(n != last.k + 1 for n in counts):
             return False
@@ -326,7 +336,8 @@ class DSparkProposer(Proposer):
                                             functools.partial(graphs.advance, n, k))  # fmt: skip
         dev = self._upload(inputs)
         redraft = lambda: greedy_draft(self.drafter, self.cache, dev, k)  # noqa: E731
-        return redraft(), _GreedyRound(seq_ids, k, dev, redraft)
+        advance = functools.partial(advance_and_draft, self.drafter, self.cache, dev, k)
+        return redraft(), _GreedyRound(seq_ids, k, dev, redraft, advance)
 
     @torch.no_grad()
     def draft_ahead(self, seq_ids: Sequence[int], argmax: torch.Tensor, drafts: torch.Tensor) -> bool:
@@ -341,7 +352,7 @@ class DSparkProposer(Proposer):
             return False
         pending, self._pending = self._pending, None
         features = None if pending is None else pending[0]
-        packed = None if last.advance is None else last.advance(argmax, drafts, features)
+        packed = last.advance(argmax, drafts, features)
         if packed is None:
             if pending is not None:
                 self._write(*pending)

@@ -76,6 +76,22 @@ def test_drafts_launched_ahead_are_served_only_when_the_host_agrees(plain, batch
     assert proposer.drafted_ahead > 0 and proposer.served_ahead == 0
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_verify_steps_context_writes_go_with_the_next_draft(plain, batch, monkeypatch):
+    """A greedy round's verify step leaves its context write to `draft_ahead`, which writes it with the device's
+    acceptance and the next draft: only steps that are not a whole round's verify groups (prefills, groups cut
+    short near max_tokens) write on their own, and the output is still plain greedy."""
+    spec = {"method": "dspark", "num_speculative_tokens": 5}
+    llm = LLM(demo_model_dir(), dtype=torch.float32, device="cpu", page_size=PAGE, speculative_config=spec)
+    proposer, own = llm.speculative.proposer, []
+    write = proposer._write
+    monkeypatch.setattr(proposer, "_write", lambda *step: own.append(list(step[3])) or write(*step))
+    assert [o.token_ids for o in llm.generate(PROMPTS[:batch], GREEDY)] == plain[:batch]
+    assert proposer.drafted_ahead > 0
+    assert [counts for counts in own if counts == [6] * len(counts)] == []  # no whole round wrote on its own
+    assert any(counts == [len(ids) for ids in llm.tokenizer(PROMPTS[:batch])["input_ids"]] for counts in own)
+
+
 def _off_by_one(tokens: torch.Tensor) -> torch.Tensor:
     """Every token id moved by one, staying inside the vocab."""
     return torch.where(tokens > 0, tokens - 1, tokens + 1)

@@ -191,6 +191,30 @@ def advance_greedy(inputs: torch.Tensor, argmax: torch.Tensor, drafts: torch.Ten
     inputs[1].add_(accepted + 1)
 
 
+def advance_and_draft(
+    drafter: DSparkDrafter,
+    cache: ContextCache,
+    inputs: torch.Tensor,
+    num_tokens: int,
+    argmax: torch.Tensor,
+    drafts: torch.Tensor,
+    features: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The next greedy round from the device's acceptance, with no host reads (capturable): with features
+    [n * (k + 1), m*d] (a verify step's, request i's k + 1 tokens from its anchor on) their context rows are
+    written first, at the slots and positions the first n inputs hold; then `advance_greedy` of those n inputs
+    from argmax [n, k + 1] and drafts [n, k]; then `greedy_draft` of all of inputs [3, B] (B >= n: a graph's
+    bucket) -> packed [B, 2 * num_tokens]."""
+    n, group = argmax.shape
+    live = inputs[:, :n]
+    if features is not None:  # token t of request i sits at its anchor's position + t, in its slot
+        slots = live[2].repeat_interleave(group, output_size=n * group)
+        positions = (live[1][:, None] + torch.arange(group, device=live.device)).reshape(-1)
+        cache.write(slots, positions, features)
+    advance_greedy(live, argmax, drafts)
+    return greedy_draft(drafter, cache, inputs, num_tokens)
+
+
 class DraftGraphs:
     """CUDA graphs of `greedy_draft` per (bucket, num_tokens) and of `ContextCache.write` per token count,
     captured on first use and dropped when the cache reallocates. A batch of n requests replays the smallest
@@ -317,24 +341,16 @@ class DraftGraphs:
         if bucket is None or self.failed:
             return None
         self._check_generation()
-        group = argmax.shape[1]
         address = lambda t: None if t is None else (t.data_ptr(), tuple(t.shape))  # noqa: E731
         key = (n, num_tokens, address(argmax), address(drafts), address(features))
         if key not in self.advances:
             if len(self.advances) >= self.MAX_ADVANCE_GRAPHS:
                 return None
-            live, static = self.inputs.dev[:, :n], self.inputs.dev[:, :bucket]
+            static = self.inputs.dev[:, :bucket]
+            live = static[:, :n]
             before = live.clone()
-
-            def step():
-                if features is not None:  # token t of request i sits at its anchor's position + t, in its slot
-                    offsets = torch.arange(group, device=live.device)
-                    slots = live[2].repeat_interleave(group, output_size=n * group)
-                    self.cache.write(slots, (live[1][:, None] + offsets).reshape(-1), features)
-                advance_greedy(live, argmax, drafts)
-                return greedy_draft(self.drafter, self.cache, static, num_tokens)
-
-            recorded = self._record(step)
+            step = (self.drafter, self.cache, static, num_tokens, argmax, drafts, features)
+            recorded = self._record(lambda: advance_and_draft(*step))
             live.copy_(before)  # undo the warm-up's advance: the replay below advances once
             if recorded is None:
                 return None
