@@ -67,8 +67,8 @@ class DeviceDrafts:
 class _GreedyRound:
     """A greedy round of `DSparkProposer.propose_on_device`: its requests, drafts k, device inputs [3, N] (the
     graph's static inputs or the eager upload), `redraft`, which drafts again from those inputs as they stand, and
-    `advance`, which (writes the verify step's context rows,) advances them by the device's acceptance and drafts:
-    `drafting.advance_and_draft`, one graph replay for a graphed round (`DraftGraphs.advance`, None when it
+    `advance`, `drafting.advance_and_draft` on those inputs (the verify step's context write, the device's
+    acceptance, the next draft): one graph replay for a graphed round (`DraftGraphs.advance`, None when it
     cannot)."""
 
     seq_ids: tuple[int, ...]

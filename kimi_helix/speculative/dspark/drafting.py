@@ -14,8 +14,8 @@ or tokens in Python, and nothing reads a device value on the host except the one
   slot indices, and its output packs tokens and confidences in one tensor, read with one copy. It also captures
   the context write of a step's features (`ContextCache.write`) per token count, for features that sit in a
   static buffer (the engine's `TargetFeatureCapture`), with the tokens' (slot, position) as static input, and
-  the next round's draft from the device's greedy acceptance (`advance_greedy`, then the draft) per batch, drafts
-  and the addresses of the acceptance's inputs.
+  a greedy round's advance (`advance_and_draft`: the verify step's context write, the device's acceptance, the
+  next draft) per batch, drafts and the addresses of its inputs.
 """
 
 from __future__ import annotations
