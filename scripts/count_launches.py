@@ -39,10 +39,12 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
-# ops that allocate or reshape without running a kernel
+# ops that allocate, reshape or answer a question without running a kernel (torch does not call them views:
+# `promote_types` returns a dtype, `_unsafe_view` is the view reshape returns without autograd tracking)
 _FREE = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach.default,
          aten.lift_fresh.default, aten._local_scalar_dense.default, aten.set_.source_Storage_storage_offset,
-         aten.resize_.default, aten.is_pinned.default, aten._pin_memory.default}  # fmt: skip
+         aten.resize_.default, aten.is_pinned.default, aten._pin_memory.default, aten.promote_types.default,
+         aten._unsafe_view.default}  # fmt: skip
 # ops whose result the host needs before it can go on (a device sync on the GPU)
 _SYNCS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
           aten.unique_consecutive.default, aten._unique2.default}  # fmt: skip
