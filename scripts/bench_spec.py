@@ -23,14 +23,17 @@ prompts' outputs equal plain decoding's token for token. `plain` replays CUDA gr
 is the same engine with `enforce_eager`. `ms_per_round` is the mean wall time of a decoding round (an engine step
 that verified drafts; for plain decoding a decode step), on the graph path on the GPU: target verify steps and
 greedy drafting rounds replay CUDA graphs. Rows (with gpu, date and commit) are appended to
-benchmarks/results/spec.jsonl (or --out); a table ends the run. A case that fails is written as a row with its
-`error` and the run goes on; the exit status is then 1."""
+benchmarks/results/spec.jsonl (or --out); a table ends the run. With `--repeats N` every case runs N times, the
+cases alternating (plain first each time, and each speedup against that run's plain), every run is a row (with
+its `repeat`), and the table shows each case's medians: at batch 1 a round's wall time follows the host's jitter.
+A case that fails is written as a row with its `error` and the run goes on; the exit status is then 1."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: the checkpoint's")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--seed", type=int, default=0, help="which held-out prompts")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every case, alternating; the table: medians")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSONL file the rows are appended to")
     p.add_argument("--no-out", dest="out", action="store_const", const=None, help="write no JSONL file")
     return p
@@ -85,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
         parser.set_defaults(**SMOKE)  # explicit options still win
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "prompt_len", "max_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+    for name in ("num_prompts", "prompt_len", "max_tokens", "prompt_lookup_min", "prompt_lookup_max", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.k) < 1 or min(args.batch_sizes) < 1:
@@ -223,6 +227,33 @@ def cases(args, drafter) -> list[tuple[str, int]]:
     return sorted(out, key=lambda c: c[0] != "plain")
 
 
+MEDIAN_KEYS = ("tokens_per_s", "speedup", "decode_tokens_per_s", "decode_speedup", "tokens_per_step", "ms_per_round",
+               "tau")  # fmt: skip
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (batch, method, k): the median of each of MEDIAN_KEYS over its runs without error, the fewest
+    prompts identical to plain, the first run's acceptance by position; a case with no good run keeps an error
+    row."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["batch_size"], r["method"], r["k"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            out.append(runs[0])
+            continue
+        row = dict(good[0])
+        for key in MEDIAN_KEYS:
+            values = [r[key] for r in good if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else row.get(key)
+        identical = [r["identical"] for r in good]
+        row["identical"] = None if None in identical else min(identical)
+        out.append(row)
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     head = (f"{'method':<12}{'k':>3}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'decode':>10}{'speedup':>9}"
             f"{'tok/step':>9}{'ms/round':>9}{'tau':>7}{'same':>7}  acceptance by position")  # fmt: skip
@@ -263,11 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         rows, plain = [], {}
         with JsonlWriter(args.out) as results:
             for batch in args.batch_sizes:
-                for method, k in cases(args, drafter):
-                    row = measured_row(Path(model_dir), prompts, method, k, batch, drafter, args, plain)
-                    rows.append({**meta, **row})
-                    results.write(rows[-1])
-    print_table(rows)
+                for repeat in range(args.repeats):  # alternating, so that a host's drift reaches every case alike
+                    for method, k in cases(args, drafter):
+                        row = measured_row(Path(model_dir), prompts, method, k, batch, drafter, args, plain)
+                        rows.append({**meta, **row, "repeat": repeat})
+                        results.write(rows[-1])
+    if args.repeats > 1:
+        print(f"medians of {args.repeats} runs per case (each speedup against the same run's plain decoding):")
+    print_table(median_rows(rows) if args.repeats > 1 else rows)
     for r in rows:
         where = f"{r['method']} k={r['k']} batch {r['batch_size']}"
         if "error" in r:

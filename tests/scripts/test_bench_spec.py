@@ -94,3 +94,29 @@ def test_heldout_prompts_come_from_documents_outside_the_train_split():
     assert all(any(t in doc for doc in held.values()) for t in texts)
     with pytest.raises(ValueError, match="split must be one of"):
         demo_prompts.split_documents("test")
+
+
+def test_repeats_alternate_the_cases_and_the_table_shows_medians(bench, tmp_path, capsys):
+    out = tmp_path / "spec.jsonl"
+    argv = ["--smoke", "--k", "1", "--batch-sizes", "1", "--num-prompts", "1", "--repeats", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["method"], r["repeat"]) for r in rows] == [
+        ("plain", 0), ("ngram", 0), ("dspark", 0), ("plain", 1), ("ngram", 1), ("dspark", 1),
+    ]  # fmt: skip
+    assert all(r["identical"] == 1 for r in rows)  # each run against its own plain run
+    assert "medians of 2 runs" in capsys.readouterr().out
+
+
+def test_median_rows_take_each_cases_medians_and_its_fewest_identical(bench):
+    def run(method, tokens_per_s, identical, **extra):
+        return dict(method=method, k=5, batch_size=1, tokens_per_s=tokens_per_s, speedup=tokens_per_s / 10,
+                    identical=identical, ms_per_round=100 / tokens_per_s, **extra)  # fmt: skip
+
+    rows = [run("dspark", 12.0, 8), run("dspark", 30.0, 7), run("dspark", 18.0, 8),
+            dict(method="dspark", k=5, batch_size=1, error="boom"), run("ngram", 11.0, 8)]  # fmt: skip
+    medians = {r["method"]: r for r in bench.median_rows(rows)}
+    assert medians["dspark"]["tokens_per_s"] == 18.0 and medians["dspark"]["speedup"] == 1.8
+    assert medians["dspark"]["ms_per_round"] == 100 / 18.0 and medians["dspark"]["identical"] == 7
+    assert medians["ngram"]["tokens_per_s"] == 11.0 and "error" not in medians["dspark"]
+    assert bench.median_rows([dict(method="plain", k=0, batch_size=1, error="boom")])[0]["error"] == "boom"
