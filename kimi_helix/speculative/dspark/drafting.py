@@ -295,21 +295,26 @@ class DraftGraphs:
     @torch.no_grad()
     def run(self, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
         """inputs [3, n] int64 on the host (numpy or a tensor) -> packed [n, 2 * num_tokens] on the device (see
-        `greedy_draft`), or
-        None when n exceeds the largest bucket or capturing failed (the caller drafts eagerly)."""
+        `greedy_draft`), or None when n exceeds the largest bucket or capturing failed (the caller drafts eagerly)."""
         n = inputs.shape[1]
         bucket = self.bucket(n)
         if bucket is None or self.failed:
             return None
         self._check_generation()
         static = self.inputs.put(inputs, bucket)
-        key = (bucket, num_tokens)
-        if key not in self.graphs:
-            recorded = self._record(lambda: greedy_draft(self.drafter, self.cache, static, num_tokens))
+        record = lambda: self._record(lambda: greedy_draft(self.drafter, self.cache, static, num_tokens))  # noqa: E731
+        return self._replay(self.graphs, (bucket, num_tokens), record, n)
+
+    @staticmethod
+    def _replay(store: dict, key, record, n: int) -> torch.Tensor | None:
+        """Replay the graph `store[key]`, captured by `record()` (a `_record` result) on first use: the first n rows
+        of its output, or None when the capture failed."""
+        if key not in store:
+            recorded = record()
             if recorded is None:
                 return None
-            self.graphs[key] = recorded
-        graph, out = self.graphs[key]
+            store[key] = recorded
+        graph, out = store[key]
         graph.replay()
         return out[:n]
 
@@ -343,18 +348,16 @@ class DraftGraphs:
         self._check_generation()
         address = lambda t: None if t is None else (t.data_ptr(), tuple(t.shape))  # noqa: E731
         key = (n, num_tokens, address(argmax), address(drafts), address(features))
-        if key not in self.advances:
-            if len(self.advances) >= self.MAX_ADVANCE_GRAPHS:
-                return None
+        if key not in self.advances and len(self.advances) >= self.MAX_ADVANCE_GRAPHS:
+            return None
+
+        def record():
             static = self.inputs.dev[:, :bucket]
             live = static[:, :n]
             before = live.clone()
             step = (self.drafter, self.cache, static, num_tokens, argmax, drafts, features)
             recorded = self._record(lambda: advance_and_draft(*step))
-            live.copy_(before)  # undo the warm-up's advance: the replay below advances once
-            if recorded is None:
-                return None
-            self.advances[key] = recorded
-        graph, out = self.advances[key]
-        graph.replay()
-        return out[:n]
+            live.copy_(before)  # undo the warm-up's advance: the replay advances once
+            return recorded
+
+        return self._replay(self.advances, key, record, n)
