@@ -33,14 +33,9 @@ def check_arguments(model, device, device_map, parallel: bool, gpu_memory_utiliz
         raise ValueError("device_map='auto' cannot be combined with tensor_parallel_size * context_parallel_size > 1")
 
 
-def check_async_scheduling(value, speculative: bool, parallel: bool) -> None:
+def check_async_scheduling(value, parallel: bool) -> None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"async_scheduling must be None, True or False, got {value!r}")
-    if value and speculative:
-        raise ValueError(
-            "async_scheduling=True cannot be combined with speculative_config (verify steps read their drafts' "
-            "verdicts on the host); leave async_scheduling=None or set it False"
-        )
     if value and parallel:
         raise ValueError(
             "async_scheduling=True needs tensor_parallel_size * context_parallel_size == 1 (the ranks agree on rank "

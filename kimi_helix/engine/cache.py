@@ -289,6 +289,23 @@ class PagedCache:
         self.conv_pools[:, slot].copy_(window)
         self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
 
+    def restore_verified(self, slots: torch.Tensor, accepted: torch.Tensor, group: int) -> None:
+        """Every KDA layer's state of n verify groups of `group` tokens each, cut back on the device to after each
+        group's first accepted + 1 tokens (its anchor and accepted drafts), with no host reads (capturable): what
+        `rollback` does from host lengths. slots, accepted [n] int64 (device). Group i's records must lie at
+        scratch row i * group and conv row i, as a graphed verify step of n groups leaves them."""
+        stack = self._scratch_stack
+        if stack is None:
+            return
+        n, width = slots.shape[0], self.conv_pools.shape[2]
+        rows = torch.arange(0, n * group, group, device=slots.device) + accepted
+        self.recurrent_pools.index_copy_(1, slots, stack.states.index_select(1, rows))
+        inputs = stack.inputs[:, : n * group].unflatten(1, (n, group))
+        both = torch.cat([stack.conv_before[:, :n], inputs], dim=2)  # [L, n, W - 1 + group, 3P]
+        first = accepted[:, None] + 1 + torch.arange(width, device=slots.device)  # the window ends at the last kept
+        window = both.gather(2, first[None, :, :, None].expand(both.shape[0], n, width, both.shape[3]))
+        self.conv_pools.index_copy_(1, slots, window)
+
     def reset_state(self, slot: int) -> None:
         self.conv_pools[:, slot].zero_()
         self.recurrent_pools[:, slot].zero_()

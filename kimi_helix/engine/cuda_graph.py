@@ -167,6 +167,18 @@ class StepGraphs:
         inputs.view.commit(inputs.batch, recorded=captured.view)
         return RunnerOutput(captured.logits[: step.total_tokens], rows)
 
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Run the captured step `key` again on the static buffers as they stand on the device (staged there by the
+        work before it, `speculative.async_rounds`): its logits [batch * tokens_per_seq, V]. Prepares and commits
+        nothing."""
+        captured = self.graphs[key]
+        if captured.graph is None:
+            with torch.no_grad():
+                captured.logits = self.runner.forward(self._inputs(key))
+        else:
+            captured.graph.replay()
+        return captured.logits
+
     def _padding(self, key: GraphKey) -> Padding:
         """The rows that fill `key`'s bucket: sequences on the scratch page and state slot."""
         return Padding(key.batch, key.tokens_per_seq, self.scratch_page, self.scratch_slot)

@@ -117,9 +117,10 @@ class LLM:
         enforce_eager: run every step eagerly; by default on CUDA uniform decode and verify steps replay CUDA
             graphs (`engine.cuda_graph`), which reserve one extra state slot and cache page for padding rows.
         async_scheduling: launch each step before the previous one's tokens reach the host
-            (`engine.async_scheduling`); None (default) turns it on for one CUDA process without speculative
-            decoding. True also works on the CPU (no overlap there, the same tokens); it cannot be combined with
-            `speculative_config` or tp * cp > 1.
+            (`engine.async_scheduling`; with speculative decoding, each greedy DSpark round before the previous
+            round's verdict, `speculative.async_rounds`); None (default) turns it on for one CUDA process. True
+            also works on the CPU (no overlap there, the same tokens); it cannot be combined with tp * cp > 1.
+            Steps and rounds that cannot overlap (logprobs, sampled or ngram rounds, ...) run synchronously.
         max_draft_tokens: drafts per verify group that CUDA-graphed verify steps take (0 to 8); None (default):
             the speculative config's `num_speculative_tokens`, else 0. With graphs on and k > 0, the KDA verify
             scratch of up to `planner.verify_graph_tokens` tokens (max_num_seqs x (1 + k), capped) is set aside
@@ -173,7 +174,7 @@ class LLM:
             max_model_len=max_model_len,
             num_pages=num_pages,
         )
-        check_async_scheduling(async_scheduling, speculative_config is not None or proposer is not None, parallel)
+        check_async_scheduling(async_scheduling, parallel)
         dtype = check_dtype(dtype)
         spec = None
         if speculative_config is not None or proposer is not None:
@@ -220,8 +221,13 @@ class LLM:
 
             self.speculative = build_speculative_decoder(spec, self, proposer)
         if async_scheduling is None:
-            async_scheduling = self.device.type == "cuda" and self.comm is None and self.speculative is None
-        self.async_scheduling = AsyncScheduling(self) if async_scheduling else None
+            async_scheduling = self.device.type == "cuda" and self.comm is None
+        self.async_scheduling = AsyncScheduling(self) if async_scheduling and self.speculative is None else None
+        self.async_rounds = None
+        if async_scheduling and self.speculative is not None:
+            from ..speculative.async_rounds import AsyncRounds
+
+            self.async_rounds = AsyncRounds(self)
         self._lock = threading.Lock()
 
     def _place_model(self, model, dtype, device, device_map, parallel_sizes: tuple[int, int], timeout_s: float):
@@ -338,6 +344,8 @@ class LLM:
                         bar.update(self.step())
                     if self.async_scheduling is not None:  # a step launched for requests that have since stopped
                         self.async_scheduling.drain()
+                    if self.async_rounds is not None:
+                        self.async_rounds.drain()
             except BaseException:
                 self._abort(requests)
                 raise
@@ -355,6 +363,15 @@ class LLM:
             if self.async_scheduling.can_overlap():
                 return self.async_scheduling.step()
             finished = self.async_scheduling.drain()
+            if not self.scheduler.has_work:
+                return finished
+            return finished + self._step_sync()
+        if self.async_rounds is not None:
+            if self.async_rounds.can_overlap():
+                finished = self.async_rounds.step()
+                if finished is not None:
+                    return finished
+            finished = self.async_rounds.drain()
             if not self.scheduler.has_work:
                 return finished
             return finished + self._step_sync()
@@ -542,6 +559,8 @@ class LLM:
         """Drop the unfinished `requests` from the scheduler, zeroing and freeing their state slots and pages."""
         if self.async_scheduling is not None:
             self.async_scheduling.discard()
+        if self.async_rounds is not None:
+            self.async_rounds.discard()
         for request in requests:
             if request.finish_reason is not None:
                 continue

@@ -262,6 +262,16 @@ class DSparkProposer(Proposer):
         if pending is not None:
             self._write(*pending)
 
+    def begin_device_rounds(self) -> None:
+        """Hand the context cache to device-derived rounds (`speculative.async_rounds`): write what is pending and
+        forget the rounds drafted from the host."""
+        self._flush()
+        self.end_device_rounds()
+
+    def end_device_rounds(self) -> None:
+        """The next round drafts from the host's inputs again (the device-derived rounds set the lengths)."""
+        self._ahead = self._round = self._round_inputs = None
+
     def rollback(self, seq_id: int, num_keep: int) -> None:
         if seq_id in self.cache.length:
             self.cache.length[seq_id] = min(self.cache.length[seq_id], num_keep)

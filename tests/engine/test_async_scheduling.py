@@ -151,8 +151,6 @@ def test_placeholders_never_reach_the_outputs_or_the_requests():
     "kwargs, message",
     [
         (dict(async_scheduling="yes"), "async_scheduling must be None, True or False"),
-        (dict(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-         "async_scheduling=True cannot be combined with speculative_config"),
         (dict(async_scheduling=True, tensor_parallel_size=2), "async_scheduling=True needs tensor_parallel_size"),
     ],
 )  # fmt: skip
@@ -161,11 +159,20 @@ def test_async_scheduling_argument_is_checked(kwargs, message):
         LLM(make_model(), **kwargs)
 
 
-def test_default_is_off_on_the_cpu_and_with_speculative_decoding():
+def test_default_is_off_on_the_cpu_and_speculative_decoding_overlaps_rounds_instead():
     model = make_model()
     assert LLM(model).async_scheduling is None
-    spec = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, async_scheduling=None)
-    assert spec.async_scheduling is None
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    spec = LLM(model, speculative_config=ngram, async_scheduling=None)
+    assert spec.async_scheduling is None and spec.async_rounds is None
+    spec = LLM(model, speculative_config=ngram, async_scheduling=True)
+    assert spec.async_scheduling is None and spec.async_rounds is not None
+    # ngram rounds cannot be derived on the device: they run synchronously, with plain greedy's tokens
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    batch = prompts([3, 9], seed=5)
+    want = [o.token_ids for o in LLM(model).generate(batch, params)]
+    assert [o.token_ids for o in spec.generate(batch, params)] == want
+    assert spec.async_rounds.entered == 0
 
 
 @pytest.mark.gpu

@@ -238,6 +238,27 @@ def test_graph_verify_records_and_rollback_equal_eager(device):
         torch.testing.assert_close(recurrent, eager_states[i][1], rtol=1e-4, atol=1e-4)
 
 
+@DEVICES
+def test_restore_verified_on_the_device_equals_rollback(device):
+    """`PagedCache.restore_verified` (the accepted counts on the device, every layer and group at once) leaves the
+    KDA states `rollback` leaves from host lengths, for every cut from the anchor alone to the whole group."""
+    model = _model(device)
+    prompts, k = _prompts(3), 4
+    keep = [1, 3, 5]
+    _, want = _verify_then_rollback(_llm(model, True), prompts, k, keep)
+    llm = _llm(model, True)
+    requests = _prefilled(llm, prompts)
+    for i, r in enumerate(requests):
+        r.draft_token_ids = [(5 * i + j) % 100 + 3 for j in range(k)]
+    llm.runner.run(llm.scheduler.schedule())
+    slots = [llm.cache.ledger.seqs[r.request_id].slot for r in requests]
+    accepted = torch.tensor(keep, device=device) - 1
+    llm.cache.restore_verified(torch.tensor(slots, device=device), accepted, 1 + k)
+    for i, (conv, recurrent) in want.items():
+        torch.testing.assert_close(llm.cache.conv[i][slots], conv, rtol=0, atol=0)
+        torch.testing.assert_close(llm.cache.recurrent[i][slots], recurrent, rtol=0, atol=0)
+
+
 def test_verify_steps_beyond_the_scratch_run_eagerly():
     """A verify bucket whose tokens would not fit `verify_tokens` gets no graph; decodes still do."""
     llm = LLM(_model("cpu"), max_num_seqs=8, max_model_len=64, page_size=16)
