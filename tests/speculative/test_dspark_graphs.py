@@ -142,12 +142,14 @@ def test_draft_graphs_give_the_eager_drafts(tmp_path):
 @pytest.mark.gpu
 def test_graphed_target_steps_capture_the_eager_features(tmp_path):
     """One request (bucket 1: the graphed step has the eager step's shapes), DSpark k=3: every feature the
-    proposer observes is bit-identical between CUDA-graphed and eager target steps."""
+    proposer observes is bit-identical between CUDA-graphed and eager target steps (synchronous rounds: the
+    overlapped ones hand features to the drafter on the device, `test_async_rounds.py`)."""
     model = _gpu_target().to("cuda")
     spec = {"method": "dspark", "model": str(_drafter_dir(model, tmp_path)), "num_speculative_tokens": 3}
     seen = {}
     for eager in (True, False):
-        llm = LLM(model, page_size=16, max_num_seqs=2, enforce_eager=eager, speculative_config=spec)
+        llm = LLM(model, page_size=16, max_num_seqs=2, enforce_eager=eager, speculative_config=spec,
+                  async_scheduling=False)  # fmt: skip
         proposer, record = llm.speculative.proposer, seen.setdefault(eager, [])
         observe = proposer.observe_step
 
@@ -167,13 +169,14 @@ def test_graphed_target_steps_capture_the_eager_features(tmp_path):
 def test_dspark_on_the_demo_model_with_graphs_equals_plain_greedy_fp32():
     """The demo model and its shipped drafter in fp32 on the GPU, target and draft graphs on, k=5, two prompts
     at once: DSpark's greedy output equals plain greedy decoding's token for token, with the next round's drafts
-    replayed from the device's acceptance (`draft_ahead`, with the verify step's context write) and served."""
+    replayed from the device's acceptance (`draft_ahead`, with the verify step's context write) and served
+    (synchronous rounds; `test_async_rounds.py` covers the overlapped ones)."""
     _cuda()
     prompts = [[5, 17, 99, 240, 31, 8], [77, 1000, 12, 5]]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(dtype=torch.float32, page_size=16, max_num_seqs=4).generate(prompts, params)]
     spec = {"method": "dspark", "num_speculative_tokens": 5}
-    llm = LLM(dtype=torch.float32, page_size=16, max_num_seqs=4, speculative_config=spec)
+    llm = LLM(dtype=torch.float32, page_size=16, max_num_seqs=4, speculative_config=spec, async_scheduling=False)
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
     assert any(key.phase is Phase.VERIFY for key in llm.runner.graphs.graphs)
     graphs = llm.speculative.proposer.graphs
