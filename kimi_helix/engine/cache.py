@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..kernels.launch import cdiv
+from ..kernels.state_restore import restore_verified_states
 from ..modeling.batch import ForwardBatch, Phase
 from ..modeling.config import KimiK3Config
 from ..modeling.paged_mla import FP8, PagedLatents
@@ -289,22 +290,17 @@ class PagedCache:
         self.conv_pools[:, slot].copy_(window)
         self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
 
-    def restore_verified(self, slots: torch.Tensor, accepted: torch.Tensor, group: int) -> None:
+    def restore_verified(self, slots: torch.Tensor, accepted: torch.Tensor, group: int, backend: str | None = None):
         """Every KDA layer's state of n verify groups of `group` tokens each, cut back on the device to after each
         group's first accepted + 1 tokens (its anchor and accepted drafts), with no host reads (capturable): what
         `rollback` does from host lengths. slots, accepted [n] int64 (device). Group i's records must lie at
-        scratch row i * group and conv row i, as a graphed verify step of n groups leaves them."""
+        scratch row i * group and conv row i, as a graphed verify step of n groups leaves them. `backend` forces
+        the kernel (`kernels.state_restore`)."""
         stack = self._scratch_stack
         if stack is None:
             return
-        n, width = slots.shape[0], self.conv_pools.shape[2]
-        rows = torch.arange(0, n * group, group, device=slots.device) + accepted
-        self.recurrent_pools.index_copy_(1, slots, stack.states.index_select(1, rows))
-        inputs = stack.inputs[:, : n * group].unflatten(1, (n, group))
-        both = torch.cat([stack.conv_before[:, :n], inputs], dim=2)  # [L, n, W - 1 + group, 3P]
-        first = accepted[:, None] + 1 + torch.arange(width, device=slots.device)  # the window ends at the last kept
-        window = both.gather(2, first[None, :, :, None].expand(both.shape[0], n, width, both.shape[3]))
-        self.conv_pools.index_copy_(1, slots, window)
+        restore_verified_states(self.recurrent_pools, self.conv_pools, stack.states, stack.inputs,
+                                stack.conv_before, slots, accepted, group, backend=backend)  # fmt: skip
 
     def reset_state(self, slot: int) -> None:
         self.conv_pools[:, slot].zero_()

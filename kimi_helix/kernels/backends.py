@@ -27,10 +27,13 @@ OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_updat
 OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul", "linear")  # the fused ops of the decode step
 OPS += ("markov_chain_greedy",)  # the DSpark drafter's greedy Markov chain
 OPS += ("draft_attention",)  # the DSpark drafter's attention over its context cache and block
+OPS += ("accept_and_stage", "restore_verified_states")  # an asynchronous DSpark round's bookkeeping
 ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
 KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
+DTYPE_NAMES[torch.int64] = "int64"  # ops on token ids and positions (`accept_and_stage`)
 FLOATS = frozenset({"fp32", "fp16", "bf16"})
+INDICES = frozenset({"int64"})
 ANY_DEVICE = frozenset({"cpu", "cuda"})
 # Automatic choice: fastest first on the GPU; on the CPU the reference first (Triton there is the interpreter).
 PRIORITY = {"cuda": ("triton", "sdpa", "torch"), "cpu": ("torch", "sdpa", "triton")}
@@ -167,6 +170,7 @@ class BackendUnavailableError(ValueError):
 
 # The torch references serve every op on every device, in every float dtype (paged decode also from fp8 pages).
 REFERENCE_OP_CAPS = OpCaps(ANY_DEVICE, FLOATS)
+REFERENCE_INDEX_CAPS = OpCaps(ANY_DEVICE, INDICES)  # the ops on token ids and positions
 REFERENCE_DECODE_CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS | {"fp8_e4m3"})
 REFERENCE_PREFILL_CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS, kv_bounds=False)
 
@@ -175,6 +179,7 @@ REFERENCE_PREFILL_CAPS = KernelCaps(ANY_DEVICE, FLOATS, FLOATS, kv_bounds=False)
 def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     """Per backend, the ops it implements (`mla_prefill`, `mla_decode`, `mla_verify` and `OPS`) and the
     capabilities their kernel modules declare. The Triton modules are imported here, on first use."""
+    from .accept_stage import triton as accept_stage_triton
     from .activation import triton as activation_triton
     from .conv import triton as conv_triton
     from .draft_attention import triton as draft_attention_triton
@@ -186,6 +191,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     from .norm import triton as norm_triton
     from .rotary import triton as rotary_triton
     from .router import triton as router_triton
+    from .state_restore import triton as state_restore_triton
 
     triton_ops = {
         "mla_prefill": prefill.CAPS,
@@ -204,9 +210,12 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "linear": linear_triton.CAPS,
         "markov_chain_greedy": markov_triton.CAPS,
         "draft_attention": draft_attention_triton.CAPS,
+        "accept_and_stage": accept_stage_triton.CAPS,
+        "restore_verified_states": state_restore_triton.CAPS,
     }
     torch_ops = {"mla_prefill": REFERENCE_PREFILL_CAPS, "mla_decode": REFERENCE_DECODE_CAPS}
     torch_ops |= {"mla_verify": REFERENCE_DECODE_CAPS} | {op: REFERENCE_OP_CAPS for op in OPS}
+    torch_ops["accept_and_stage"] = REFERENCE_INDEX_CAPS
     return {"torch": torch_ops, "triton": triton_ops, "sdpa": {"mla_prefill": sdpa.CAPS}}
 
 
@@ -258,7 +267,8 @@ class BackendChoice:
     """The backends one model is forced to, read once when the model or `LLM` is built and passed to its ops.
 
     `attention` forces MLA attention ("torch", "triton", "sdpa"); `kernels` forces KDA, the short conv, the norms,
-    rotary, the router, the MoE experts, the DSpark drafter's Markov chain and its attention ("torch", "triton").
+    rotary, the router, the MoE experts, the DSpark drafter's Markov chain and its attention, and an asynchronous
+    DSpark round's acceptance, staging and KDA rollback ("torch", "triton").
     None: automatic, per call, from the declared capabilities. The projections' `linear` is always automatic: its
     Triton GEMV serves decode sizes only.
     """

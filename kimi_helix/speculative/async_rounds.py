@@ -6,11 +6,13 @@ the next verify step on the host and uploads it: the GPU idles through all of it
 takes longer than the round's GPU work. Here every greedy DSpark round after the first is derived on the device
 from the one before (`round_tail`, one CUDA graph a batch shape):
 
-- the argmax of the verify step's rows and the device's acceptance, the drafter's context write and the next draft
-  (`drafting.advance_and_draft`), which leave the next anchor and its position in the draft inputs;
+- the argmax of the verify step's rows, the device's acceptance, and the next verify step's token ids (the next
+  anchors), positions, token slots and cache lengths written into the runner's static step buffer, with the
+  drafter's inputs advanced (`kernels.accept_stage`, one launch);
 - the KDA rollback to "after the anchor and the accepted drafts", indexed by the accepted count on the device
-  (`PagedCache.restore_verified`), and the next verify step's token ids, positions, token slots and cache lengths
-  written into the runner's static step buffer (`stage_next_verify`);
+  (`PagedCache.restore_verified`, one launch);
+- the drafter's context write of the verified tokens and the next draft (`drafting.greedy_draft`), whose tokens
+  fill the next step's draft rows;
 - the round's argmax rows and accepted counts, copied to the host through pinned memory.
 
 The host replays the verify graph and the tail, then reads the round before (its tokens, EOS and stop checks,
@@ -35,40 +37,14 @@ import torch
 
 from ..engine.runner import PAD_TOKEN_ID
 from ..engine.scheduler import ScheduledStep
+from ..kernels.accept_stage import accept_and_stage
 from ..modeling.batch import Phase
-from .dspark.drafting import PinnedUpload, advance_and_draft, greedy_draft
+from .dspark.drafting import PinnedUpload, greedy_draft
 from .proposers import DSparkProposer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncRounds", "stage_next_verify"]
-
-
-def stage_next_verify(fields, draft_inputs, packed, argmax, result, page_size: int) -> torch.Tensor:
-    """Write the next verify step of n groups of 1 + k tokens into the step buffer `fields` (a `StepFields` of
-    device views, whose first n groups hold the step just verified), with no host reads (capturable).
-
-    draft_inputs [3, n] int64: the next anchors and their positions (advanced by `advance_and_draft`), slots.
-    packed [n, 2k] float64: the next drafts, then confidences. argmax [n, 1 + k] int64: the verified step's argmax
-    rows. result [n, 2 + k] int64 receives those rows and each group's accepted draft count (the host's copy).
-    Returns the accepted counts [n] (a view of `result`). Reads the verified positions before rewriting them."""
-    n, group = argmax.shape
-    t = n * group
-    positions = fields.positions[:t].view(n, group)
-    anchors, new = draft_inputs[0], draft_inputs[1]
-    accepted = result[:, group]
-    torch.sub(new, positions[:, 0], out=accepted).sub_(1)
-    result[:, :group].copy_(argmax)
-    ids = fields.input_ids[:t].view(n, group)
-    ids[:, 0].copy_(anchors)
-    ids[:, 1:].copy_(packed[:, : group - 1])
-    torch.add(new[:, None], torch.arange(group, device=new.device), out=positions)
-    flat = positions.view(-1)
-    table = fields.block_table[:n]
-    pages = table.gather(1, positions.div(page_size, rounding_mode="floor")).view(-1)
-    torch.add(flat.remainder(page_size), pages.to(torch.int64), alpha=page_size, out=fields.slot_mapping[:t])
-    fields.cache_seqlens[:n].copy_(new + group)
-    return accepted
+__all__ = ["AsyncRounds"]
 
 
 class _Round:
@@ -99,6 +75,7 @@ class AsyncRounds:
         self._pages = PinnedUpload(2, 16, self.device)  # (flat block-table index, page id) of newly mapped pages
         self._argmax = torch.zeros(seqs * self.group, dtype=torch.int64, device=self.device)
         self._result = torch.zeros(seqs, self.group + 1, dtype=torch.int64, device=self.device)
+        self._write_at = torch.zeros(2, seqs * self.group, dtype=torch.int64, device=self.device)  # context rows
         pinned = self.device.type == "cuda"
         self._host = [torch.zeros(seqs, self.group + 1, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
@@ -291,18 +268,20 @@ class AsyncRounds:
 
     @torch.no_grad()
     def round_tail(self, logits: torch.Tensor) -> None:
-        """Everything between two verify steps, on the device: argmax, acceptance, context write and next draft,
-        KDA rollback, staging of the next verify step, the verdict for the host (module docstring)."""
-        proposer, k, fields = self.decoder.proposer, self.k, self._fields
-        n, t = len(self._step.requests), len(self._step.requests) * self.group
-        argmax = torch.argmax(logits[:t], dim=-1, out=self._argmax[:t]).view(n, self.group)
-        drafts = fields.input_ids[:t].view(n, self.group)[:, 1:]
-        features = self.decoder.capture.buffer[:t]
-        draft_inputs = self._draft_inputs.dev[:, :n]
-        packed = advance_and_draft(proposer.drafter, proposer.cache, draft_inputs, k, argmax, drafts, features)
-        result = self._result[:n]
-        accepted = stage_next_verify(fields, draft_inputs, packed, argmax, result, self.llm.cache.ledger.page_size)
-        self.llm.cache.restore_verified(fields.state_indices[:n], accepted, self.group)
+        """Everything between two verify steps, on the device: argmax, acceptance and staging of the next verify
+        step, KDA rollback, context write and next draft, the verdict for the host (module docstring)."""
+        proposer, k, group, fields = self.decoder.proposer, self.k, self.group, self._fields
+        n = len(self._step.requests)
+        t, backend = n * group, self.llm.backends.kernels
+        argmax = torch.argmax(logits[:t], dim=-1, out=self._argmax[:t]).view(n, group)
+        result, write_at, draft_inputs = self._result[:n], self._write_at[:, :t], self._draft_inputs.dev[:, :n]
+        accept_and_stage(argmax, draft_inputs, fields.input_ids[:t], fields.positions[:t], fields.slot_mapping[:t],
+                         fields.cache_seqlens[:n], fields.block_table[:n], result, write_at,
+                         self.llm.cache.ledger.page_size, backend=backend)  # fmt: skip
+        self.llm.cache.restore_verified(fields.state_indices[:n], result[:, group], group, backend=backend)
+        proposer.cache.write(write_at[0], write_at[1], self.decoder.capture.buffer[:t])
+        packed = greedy_draft(proposer.drafter, proposer.cache, draft_inputs, k)
+        fields.input_ids[:t].view(n, group)[:, 1:].copy_(packed[:, :k])
 
     def _fetch(self, n: int):
         """Start copying the round's verdict [n, 2 + k] to the host; returns a callable giving it (numpy)."""

@@ -239,9 +239,11 @@ def test_graph_verify_records_and_rollback_equal_eager(device):
 
 
 @DEVICES
-def test_restore_verified_on_the_device_equals_rollback(device):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_restore_verified_on_the_device_equals_rollback(device, backend):
     """`PagedCache.restore_verified` (the accepted counts on the device, every layer and group at once) leaves the
-    KDA states `rollback` leaves from host lengths, for every cut from the anchor alone to the whole group."""
+    KDA states `rollback` leaves from host lengths, for every cut from the anchor alone to the whole group, with
+    either kernel."""
     model = _model(device)
     prompts, k = _prompts(3), 4
     keep = [1, 3, 5]
@@ -253,7 +255,7 @@ def test_restore_verified_on_the_device_equals_rollback(device):
     llm.runner.run(llm.scheduler.schedule())
     slots = [llm.cache.ledger.seqs[r.request_id].slot for r in requests]
     accepted = torch.tensor(keep, device=device) - 1
-    llm.cache.restore_verified(torch.tensor(slots, device=device), accepted, 1 + k)
+    llm.cache.restore_verified(torch.tensor(slots, device=device), accepted, 1 + k, backend=backend)
     for i, (conv, recurrent) in want.items():
         torch.testing.assert_close(llm.cache.conv[i][slots], conv, rtol=0, atol=0)
         torch.testing.assert_close(llm.cache.recurrent[i][slots], recurrent, rtol=0, atol=0)

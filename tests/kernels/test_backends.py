@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from kimi_helix.kernels.accept_stage import accept_and_stage
 from kimi_helix.kernels.activation import silu_mul
 from kimi_helix.kernels.backends import (
     OPS,
@@ -35,6 +36,7 @@ from kimi_helix.kernels.moe import fused_experts
 from kimi_helix.kernels.norm import add_rms_norm, gated_rms_norm
 from kimi_helix.kernels.rotary import rotary
 from kimi_helix.kernels.router import moe_router
+from kimi_helix.kernels.state_restore import restore_verified_states
 
 KV_LORA, ROPE, NOPE, V_DIM = 32, 16, 32, 32  # latent 48 = 32 + 16; expanded q/k 48, v 32: Triton-tileable
 RUN_HEADS = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128}
@@ -196,13 +198,14 @@ def test_triton_refuses_untileable_dims_and_says_why():
 # ---------------------------------------------------------------- the other ops
 
 OP_DTYPES = ("fp32", "fp16", "bf16")
+INDEX_OPS = ("accept_and_stage",)  # ops on token ids and positions: int64 only
 
 
 def run_op(r: OpRequest, backend: str) -> torch.Tensor:
     """Call the op the request describes (head dim `r.head_dim` for KDA, else 16) on small inputs; return its
     first output."""
     g = torch.Generator().manual_seed(0)
-    dt = DTYPES[r.dtype]
+    dt = DTYPES.get(r.dtype)  # None for the ops on token ids
 
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(dt)
@@ -238,6 +241,20 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
     if r.op == "draft_attention":
         block, ctx = [rand(2, 3, 2, 16) for _ in range(3)], [rand(3, 5, 2, 16) for _ in range(2)]
         return draft_attention(*block, *ctx, torch.tensor([2, 0]), torch.tensor([4, 0]), backend=backend)
+    if r.op == "accept_and_stage":
+        argmax, ids = torch.tensor([[4, 7, 9], [5, 6, 8]]), torch.tensor([3, 4, 1, 2, 5, 6])
+        out = [torch.zeros(6, dtype=torch.int64) for _ in range(3)]
+        result, where = torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 6, dtype=torch.int64)
+        inputs, table = torch.tensor([[3, 2], [0, 9], [1, 0]]), torch.arange(8, dtype=torch.int32).view(2, 4)
+        seqlens = torch.zeros(2, dtype=torch.int32)
+        accept_and_stage(argmax, inputs, ids, *out[:2], seqlens, table, result, where, 4, backend=backend)
+        return result
+    if r.op == "restore_verified_states":
+        pools, conv = rand(2, 3, 2, 4, 4).float(), rand(2, 3, 3, 16)
+        states, inputs, before = rand(2, 6, 2, 4, 4).float(), rand(2, 6, 16), rand(2, 2, 3, 16)
+        slots, accepted = torch.tensor([2, 0]), torch.tensor([1, 2])
+        restore_verified_states(pools, conv, states, inputs, before, slots, accepted, 3, backend=backend)
+        return conv
     assert r.op == "fused_experts", r.op
     ids = torch.tensor([[0, 1], [2, 0], [1, 3]])
     weights = torch.rand(3, 2, generator=g)
@@ -245,10 +262,11 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
 
 
 def op_requests(device: str):
-    for op, dtype in itertools.product(OPS, OP_DTYPES):
-        for head_dim in (16, 72) if "kda" in op else (0,):
-            for rows in (1, 16, 17) if op == "linear" else (0,):
-                yield OpRequest(op, dtype, device, head_dim, rows)
+    for op in OPS:
+        for dtype in ("int64",) if op in INDEX_OPS else OP_DTYPES:
+            for head_dim in (16, 72) if "kda" in op else (0,):
+                for rows in (1, 16, 17) if op == "linear" else (0,):
+                    yield OpRequest(op, dtype, device, head_dim, rows)
 
 
 def test_op_truth_table_every_choice_runs():
