@@ -202,6 +202,18 @@ def _cmd_init(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} checkpoint ({args.dtype}, seed {args.seed}) and the byte tokenizer to {out}")
 
 
+def _demo_model_with_notice():
+    """The shipped demo model's directory, saying on stderr that it stands in for a missing --model."""
+    from kimi_helix.assets import demo_model_dir
+
+    print(
+        "kimi-helix: no --model or --preset given; using the shipped demo model (9M parameters, trained on the "
+        "Python standard library's sources: docs/demo-model.md)",
+        file=sys.stderr,
+    )
+    return demo_model_dir()
+
+
 def _cmd_generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -226,14 +238,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
     dtype = _dtype(args.dtype) if args.dtype else None
     # Config and tokenizer first: a prompt that cannot fit is refused before any weights are read.
     if args.model is None and args.preset is None:
-        from kimi_helix.assets import demo_model_dir
-
-        args.model = demo_model_dir()
-        print(
-            "kimi-helix: no --model or --preset given; using the shipped demo model (9M parameters, trained on the "
-            "Python standard library's sources: docs/demo-model.md)",
-            file=sys.stderr,
-        )
+        args.model = _demo_model_with_notice()
     if args.model is not None:
         config, tokenizer = _read_config(args.model), _checkpoint_tokenizer(args.model)
     else:
@@ -455,10 +460,9 @@ def _generate_parallel(args: argparse.Namespace) -> None:
         )
     if args.preset is not None or args.top_p < 1:
         raise UsageError("--tp/--cp take a checkpoint (--model DIR, or the demo model without it) and no --top-p")
-    from kimi_helix.assets import demo_model_dir
     from kimi_helix.parallel.launch import generate_parallel
 
-    args.model = args.model or demo_model_dir()
+    args.model = args.model or _demo_model_with_notice()
 
     text, _ = generate_parallel(args)
     if text is not None:
@@ -470,14 +474,13 @@ def _generate_speculative(args: argparse.Namespace) -> None:
     weights load, and an unsupported configuration prints every reason on one line."""
     if args.preset is not None or args.top_p < 1:
         raise UsageError("--speculative-method takes a checkpoint (--model DIR, or the demo model) and no --top-p")
-    from kimi_helix.assets import demo_model_dir
     from kimi_helix.engine import LLM, SamplingParams
     from kimi_helix.speculative.validator import UnsupportedConfigError
 
     spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens}
     if args.speculative_model is not None:
         spec["model"] = str(args.speculative_model)
-    model = args.model or demo_model_dir()
+    model = args.model or _demo_model_with_notice()
     try:
         llm = LLM(model, dtype=_dtype(args.dtype) if args.dtype else None, device=args.device,
                   speculative_config=spec)  # fmt: skip

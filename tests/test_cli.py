@@ -131,7 +131,11 @@ def test_generate_from_a_checkpoint_is_deterministic(capsys, tiny_ckpt):
     assert sampled[0] != sampled[2]
 
 
-def test_generate_without_a_model_uses_the_shipped_demo_model(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "extra", [[], ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]], ids=["plain", "speculative"]
+)
+def test_generate_without_a_model_uses_the_shipped_demo_model(capsys, monkeypatch, extra):
+    """The demo model stands in, and says so on stderr, on the plain and the speculative path alike."""
     from kimi_helix.assets import demo_model_dir
 
     loaded = []
@@ -142,7 +146,7 @@ def test_generate_without_a_model_uses_the_shipped_demo_model(capsys, monkeypatc
         return real(cls, path, *args, **kwargs)
 
     monkeypatch.setattr(KimiK3ForCausalLM, "from_pretrained", classmethod(spy))
-    code, out, err = run(capsys, "generate", "--prompt", "def f(x):", "--max-new-tokens", "4")
+    code, out, err = run(capsys, "generate", "--prompt", "def f(x):", "--max-new-tokens", "4", *extra)
     assert code == 0 and out.strip()
     assert "demo model" in err
     assert [str(p) for p in loaded] == [str(demo_model_dir())]
