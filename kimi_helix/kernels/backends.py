@@ -27,6 +27,7 @@ OPS = ("chunk_kda", "fused_recurrent_kda", "causal_conv1d", "causal_conv1d_updat
 OPS += ("add_rms_norm", "rotary", "moe_router", "silu_mul", "linear")  # the fused ops of the decode step
 OPS += ("markov_chain_greedy",)  # the DSpark drafter's greedy Markov chain
 OPS += ("draft_attention",)  # the DSpark drafter's attention over its context cache and block
+OPS += ("norm_rotary", "norm_rotary_into_cache")  # the drafter's per-head q/k norm and rotary, and its context write
 OPS += ("accept_and_stage", "restore_verified_states")  # an asynchronous DSpark round's bookkeeping
 ATTENTION_ENV_VAR = "KIMI_HELIX_ATTENTION_BACKEND"
 KERNEL_ENV_VAR = "KIMI_HELIX_KERNEL_BACKEND"
@@ -189,6 +190,7 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
     from .mla import decode, prefill, sdpa
     from .moe import triton as moe_triton
     from .norm import triton as norm_triton
+    from .norm_rotary import triton as norm_rotary_triton
     from .rotary import triton as rotary_triton
     from .router import triton as router_triton
     from .state_restore import triton as state_restore_triton
@@ -210,6 +212,8 @@ def registry() -> dict[str, dict[str, KernelCaps | OpCaps]]:
         "linear": linear_triton.CAPS,
         "markov_chain_greedy": markov_triton.CAPS,
         "draft_attention": draft_attention_triton.CAPS,
+        "norm_rotary": norm_rotary_triton.CAPS,
+        "norm_rotary_into_cache": norm_rotary_triton.CAPS,
         "accept_and_stage": accept_stage_triton.CAPS,
         "restore_verified_states": state_restore_triton.CAPS,
     }

@@ -39,7 +39,7 @@ from ..engine.runner import PAD_TOKEN_ID
 from ..engine.scheduler import ScheduledStep
 from ..kernels.accept_stage import accept_and_stage
 from ..modeling.batch import Phase
-from .dspark.drafting import PinnedUpload, greedy_draft
+from .dspark.drafting import PinnedUpload, greedy_draft, greedy_draft_tokens
 from .proposers import DSparkProposer
 
 logger = logging.getLogger(__name__)
@@ -280,8 +280,8 @@ class AsyncRounds:
                          self.llm.cache.ledger.page_size, backend=backend)  # fmt: skip
         self.llm.cache.restore_verified(fields.state_indices[:n], result[:, group], group, backend=backend)
         proposer.cache.write(write_at[0], write_at[1], self.decoder.capture.buffer[:t])
-        packed = greedy_draft(proposer.drafter, proposer.cache, draft_inputs, k)
-        fields.input_ids[:t].view(n, group)[:, 1:].copy_(packed[:, :k])
+        drafts = greedy_draft_tokens(proposer.drafter, proposer.cache, draft_inputs, k).tokens
+        fields.input_ids[:t].view(n, group)[:, 1:].copy_(drafts)
 
     def _fetch(self, n: int):
         """Start copying the round's verdict [n, 2 + k] to the host; returns a callable giving it (numpy)."""

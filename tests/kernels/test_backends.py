@@ -34,6 +34,7 @@ from kimi_helix.kernels.markov import markov_chain_greedy
 from kimi_helix.kernels.mla import mla_decode, mla_prefill
 from kimi_helix.kernels.moe import fused_experts
 from kimi_helix.kernels.norm import add_rms_norm, gated_rms_norm
+from kimi_helix.kernels.norm_rotary import norm_rotary, norm_rotary_into_cache
 from kimi_helix.kernels.rotary import rotary
 from kimi_helix.kernels.router import moe_router
 from kimi_helix.kernels.state_restore import restore_verified_states
@@ -241,6 +242,14 @@ def run_op(r: OpRequest, backend: str) -> torch.Tensor:
     if r.op == "draft_attention":
         block, ctx = [rand(2, 3, 2, 16) for _ in range(3)], [rand(3, 5, 2, 16) for _ in range(2)]
         return draft_attention(*block, *ctx, torch.tensor([2, 0]), torch.tensor([4, 0]), backend=backend)
+    if r.op == "norm_rotary":
+        return norm_rotary(rand(3, 4, 16), torch.tensor([0, 5, 9]), (rand(16), rand(16)), 1e-6, 1e4, backend=backend)
+    if r.op == "norm_rotary_into_cache":
+        caches = [rand(2, 4, 2, 16) for _ in range(2)]
+        slots, positions = torch.tensor([1, 0, 1]), torch.tensor([0, 3, 2])
+        norm_rotary_into_cache(rand(3, 2, 16), rand(3, 2, 16), positions, rand(16), 1e-6, 1e4, *caches, slots,
+                               backend=backend)  # fmt: skip
+        return caches[0]
     if r.op == "accept_and_stage":
         argmax, ids = torch.tensor([[4, 7, 9], [5, 6, 8]]), torch.tensor([3, 4, 1, 2, 5, 6])
         out = [torch.zeros(6, dtype=torch.int64) for _ in range(3)]

@@ -8,9 +8,9 @@ from kimi_helix.kernels.markov.naive import markov_chain_greedy_ref
 
 
 def markov_chain_greedy(base, anchor_ids, w1, w2, hidden=None, conf_weight=None, conf_bias=None, *, backend=None):
-    """base [N, K, V] fp32, anchor_ids [N], w1/w2 [V, r] (+ the confidence head's hidden [N, K, d], weight [d + r],
-    bias [1]) -> (tokens [N, K] int64, confidence [N, K] fp32 or None); see `markov_chain_greedy_ref`. The
-    backend is chosen on the Markov weights' dtype."""
+    """base [N, K, V] (fp32, or the LM head's fp16/bf16), anchor_ids [N], w1/w2 [V, r] (+ the confidence head's
+    hidden [N, K, d], weight [d + r], bias [1]) -> (tokens [N, K] int64, confidence [N, K] fp32 or None); see
+    `markov_chain_greedy_ref`. The backend is chosen on the Markov weights' dtype."""
     if op_backend("markov_chain_greedy", w2, forced=backend) == "triton":
         from kimi_helix.kernels.markov.triton import markov_chain_greedy_triton as fn
     else:

@@ -15,8 +15,8 @@ __all__ = ["check_markov_args", "markov_chain_greedy_ref"]
 
 def check_markov_args(base, anchor_ids, w1, w2, hidden, conf_weight, conf_bias) -> None:
     """Shape checks shared by the reference and the Triton kernel (no device reads)."""
-    if base.dim() != 3 or base.dtype != torch.float32:
-        raise ValueError(f"base must be fp32 [N, K, V], got {base.dtype} {list(base.shape)}")
+    if base.dim() != 3 or base.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"base must be fp32/fp16/bf16 [N, K, V], got {base.dtype} {list(base.shape)}")
     n, k, v = base.shape
     if anchor_ids.shape != (n,) or anchor_ids.dtype != torch.int64:
         raise ValueError(f"anchor_ids must be int64 [N]=[{n}], got {anchor_ids.dtype} {list(anchor_ids.shape)}")
@@ -48,7 +48,8 @@ def markov_chain_greedy_ref(
     """Greedy drafts through the Markov head, and their confidences.
 
     Args:
-        base: [N, K, V] fp32, the LM head's logits of the K draft slots.
+        base: [N, K, V] the LM head's logits of the K draft slots, fp32 or the head's fp16/bf16 (read as fp32:
+            the widening is exact, and the chain adds in fp32 either way).
         anchor_ids: [N] int64, the token before slot 0.
         w1: [V, r] the Markov embedding W1; w2: [V, r] the Markov projection W2 (`nn.Linear(r, V).weight`).
         hidden: [N, K, d] the slots' hidden states, conf_weight [d + r] and conf_bias [1] (or []) the confidence
@@ -59,6 +60,7 @@ def markov_chain_greedy_ref(
     """
     check_markov_args(base, anchor_ids, w1, w2, hidden, conf_weight, conf_bias)
     n, k = base.shape[:2]
+    base = base.float()
     tokens = torch.empty(n, k, dtype=torch.int64, device=base.device)
     prev = anchor_ids
     for i in range(k):

@@ -82,7 +82,8 @@ def markov_slot_kernel(
             w = tl.load(w2 + v[:, None] * R + o_r[None, :], mask=in_v[:, None] & in_r[None, :], other=0.0)
             # rounded to the weights' dtype as the reference's Linear output, then added in fp32
             bias = tl.sum(w.to(tl.float32) * e[None, :], axis=1).to(w2.dtype.element_ty).to(tl.float32)
-            x = tl.load(base + n * stride_bn + k * stride_bk + v * stride_bv, mask=in_v, other=float("-inf")) + bias
+            x = tl.load(base + n * stride_bn + k * stride_bk + v * stride_bv, mask=in_v, other=float("-inf"))
+            x = x.to(tl.float32) + bias
             m = tl.max(x, axis=0)
             i = tl.min(tl.where(x == m, v, V), axis=0)
             # strictly greater: an equal maximum in a later tile loses to the earlier, lower id (torch.argmax)
@@ -108,7 +109,8 @@ def markov_chain_greedy_triton(
     results (tokens [N, K] int64, confidence [N, K] fp32 or None) in K + 1 launches, no host sync.
 
     Args:
-        base: [N, K, V] fp32 logits; anchor_ids [N] int64; w1, w2 [V, r] the Markov weights (one dtype).
+        base: [N, K, V] fp32/fp16/bf16 logits (read as fp32); anchor_ids [N] int64; w1, w2 [V, r] the Markov
+            weights (one dtype).
         hidden: [N, K, d], conf_weight [d + r], conf_bias [1] or []: the confidence head, or all None.
     """
     check_markov_args(base, anchor_ids, w1, w2, hidden, conf_weight, conf_bias)

@@ -26,7 +26,7 @@ import logging
 import numpy as np
 import torch
 
-from .model import DSparkDrafter, SlotContext
+from .model import Draft, DSparkDrafter, SlotContext
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +158,7 @@ class ContextCache:
     def write(self, slots: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> None:
         """Context rows of T tokens: slots, positions [T] int64 (device), features [T, m*d] captured target
         layers -> every layer's k, v written at [slot, position] (host lengths are the caller's)."""
-        new = self.drafter.context_keys_values(features.to(self.dtype), positions)
-        for (k, v), (nk, nv) in zip(self.kv, new):
-            k.index_put_((slots, positions), nk)
-            v.index_put_((slots, positions), nv)
+        self.drafter.write_context(features.to(self.dtype), slots, positions, self.kv)
 
     def context(self, slots: torch.Tensor, lengths: torch.Tensor) -> SlotContext:
         """slots, lengths [N] int64 (device) -> the drafter's view of those requests' rows (nothing is copied:
@@ -169,14 +166,19 @@ class ContextCache:
         return SlotContext(self.kv, slots, lengths)
 
 
-def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def greedy_draft_tokens(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tensor, num_tokens: int) -> Draft:
     """The greedy draft forward, with no host reads (capturable): inputs [3, N] int64 (anchor ids, anchor
-    positions = context lengths, slots) -> packed [N, 2 * num_tokens] float64: the draft tokens (exact as
-    float64), then their confidences (0 without a confidence head)."""
+    positions = context lengths, slots) -> the `Draft` (tokens [N, num_tokens], confidences or None, no probs)."""
     anchors, positions, slots = inputs
     n = anchors.shape[0]
     context = cache.context(slots, positions)
-    draft = drafter.draft(anchors, positions, context, num_tokens, [0.0] * n, [None] * n, with_probs=False)
+    return drafter.draft(anchors, positions, context, num_tokens, [0.0] * n, [None] * n, with_probs=False)
+
+
+def greedy_draft(drafter: DSparkDrafter, cache: ContextCache, inputs: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`greedy_draft_tokens` packed for one copy to the host: packed [N, 2 * num_tokens] float64, the draft tokens
+    (exact as float64), then their confidences (0 without a confidence head)."""
+    draft = greedy_draft_tokens(drafter, cache, inputs, num_tokens)
     conf = draft.confidence if draft.confidence is not None else torch.zeros_like(draft.tokens, dtype=torch.float)
     return torch.cat([draft.tokens.double(), conf.double()], dim=1)
 

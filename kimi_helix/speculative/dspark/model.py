@@ -30,8 +30,9 @@ from ...kernels.backends import BackendChoice
 from ...kernels.draft_attention import draft_attention
 from ...kernels.linear import linear
 from ...kernels.markov import markov_chain_greedy
+from ...kernels.norm_rotary import norm_rotary, norm_rotary_into_cache
 from ...modeling.checkpoint import CheckpointError
-from ...modeling.layers import RMSNorm, SwiGLU, apply_rotary, fused_projections
+from ...modeling.layers import RMSNorm, SwiGLU, fused_projections
 from ...modeling.packing import WeightPack
 from .config import DSparkConfig
 
@@ -100,23 +101,52 @@ class DSparkAttention(nn.Module):
         k, v = linear(x, packed[self.q_proj.weight.shape[0] :]).chunk(2, dim=-1)
         return k, v
 
-    def _norm_rotate(self, k: torch.Tensor, positions: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """Per-head RMSNorm then RoPE: k [..., C, H*hd], positions [..., C] -> [..., C, H, hd]."""
-        shape = (*k.shape[:-1], self.num_heads, self.head_dim)
-        k = norm(k.view(shape))
-        k = apply_rotary(k.reshape(-1, *shape[-2:]), positions.reshape(-1), self.theta, self.backends.kernels)
-        return k.view(shape)
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n * H*hd] -> [T, n * H, hd] (a view where x's rows allow)."""
+        return x.reshape(-1, x.shape[-1] // self.head_dim, self.head_dim)
+
+    def _norm_rotate(self, x: torch.Tensor, positions: torch.Tensor, norms: list[RMSNorm]) -> torch.Tensor:
+        """Per-head RMSNorm then RoPE in one op: x [..., C, n * H*hd] (n = len(norms): q's heads, k's, or both side
+        by side), positions [..., C] -> [..., C, n * H, hd]."""
+        eps = norms[0].eps
+        weights = [norm.weight for norm in norms]
+        y = norm_rotary(self._heads(x), positions.reshape(-1), weights, eps, self.theta, backend=self.backends.kernels)
+        return y.view(*x.shape[:-1], len(norms) * self.num_heads, self.head_dim)
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., C, d], positions [..., C] -> k, v [..., C, H, hd] (k normed and rotated)."""
         k, v = self._project_kv(x)
-        return self._norm_rotate(k, positions, self.k_norm), v.view(*v.shape[:-1], self.num_heads, self.head_dim)
+        return self._norm_rotate(k, positions, [self.k_norm]), v.view(*v.shape[:-1], self.num_heads, self.head_dim)
+
+    def write_keys_values(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """`keys_values` of x [T, d] written into a context cache k_cache, v_cache [S, C, H, hd] at (slots,
+        positions) [T]: the projection, then the keys' norm and rotary and both writes in one launch."""
+        k, v = self._project_kv(x)
+        norm = self.k_norm
+        norm_rotary_into_cache(self._heads(k), self._heads(v), positions, norm.weight, norm.eps, self.theta, k_cache,
+                               v_cache, slots, backend=self.backends.kernels)  # fmt: skip
 
     def _block_qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [N, G, d], positions [N, G] -> the block's q, k (normed and rotated) and v, each [N, G, H, hd]."""
-        q, k, v = fused_projections(x, self._qkv(), self._qkv_pack)
-        q, k = self._norm_rotate(q, positions, self.q_norm), self._norm_rotate(k, positions, self.k_norm)
-        return q, k, v.view(*x.shape[:2], self.num_heads, self.head_dim)
+        """x [N, G, d], positions [N, G] -> the block's q, k (normed and rotated) and v, each [N, G, H, hd]. Where
+        the weights pack, q's and k's heads sit side by side in one projection and are normed and rotated in one
+        launch."""
+        h, hd = self.num_heads, self.head_dim
+        packed = self._qkv_pack.weight(self._qkv(), x)
+        if packed is not None:
+            y = linear(x, packed)
+            qk = self._norm_rotate(y[..., : 2 * h * hd], positions, [self.q_norm, self.k_norm])
+            q, k = qk.split(h, dim=-2)
+            return q, k, y[..., 2 * h * hd :].view(*x.shape[:2], h, hd)
+        q, k, v = fused_projections(x, self._qkv())
+        q, k = self._norm_rotate(q, positions, [self.q_norm]), self._norm_rotate(k, positions, [self.k_norm])
+        return q, k, v.view(*x.shape[:2], h, hd)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, visible: torch.Tensor
@@ -162,9 +192,17 @@ class DSparkLayer(nn.Module):
     def forward(self, x, positions, ctx_k, ctx_v, visible):
         return self._finish(self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, visible), x)
 
-    def forward_cached(self, x, positions, k_cache, v_cache, slots, lengths):
-        attn = self.self_attn.forward_cached(self.input_layernorm(x), positions, k_cache, v_cache, slots, lengths)
-        return self._finish(attn, x)
+    def forward_cached(self, x, residual, positions, k_cache, v_cache, slots, lengths):
+        """The layer over the serving cache, with the residual add left to the next norm: x [N, G, d] the previous
+        layer's MLP output (or the embeddings, with residual None), residual [N, G, d] -> (this layer's MLP
+        output, the residual stream before it); the stream is their sum."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        attn = self.self_attn.forward_cached(h, positions, k_cache, v_cache, slots, lengths)
+        h, residual = self.post_attention_layernorm.forward_add(attn, residual)
+        return self.mlp(h), residual
 
     def _finish(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h, x = self.post_attention_layernorm.forward_add(attn, x)
@@ -244,6 +282,16 @@ class DSparkDrafter(PreTrainedModel):
         h_ctx = self.hidden_norm(self.fc(features))
         return [layer.self_attn.keys_values(h_ctx, positions) for layer in self.layers]
 
+    def write_context(
+        self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: list[tuple[torch.Tensor, ...]]
+    ) -> None:
+        """`context_keys_values` of T tokens written into a serving context cache: features [T, m*d], slots and
+        positions [T] int64, kv per layer (k, v) [S, C, H, hd], written at [slot, position] (one launch a layer
+        after the projections)."""
+        h_ctx = self.hidden_norm(self.fc(features))
+        for layer, (k, v) in zip(self.layers, kv, strict=True):
+            layer.self_attn.write_keys_values(h_ctx, positions, k, v, slots)
+
     def backbone(
         self,
         block_ids: torch.Tensor,
@@ -272,10 +320,10 @@ class DSparkDrafter(PreTrainedModel):
         """`backbone` over the serving cache's context rows, read in place: block_ids [N, G], anchor_positions
         [N], `context` (its lengths at most the anchors' positions) -> final-normed hidden states [N, G, d]."""
         positions = anchor_positions[:, None] + torch.arange(block_ids.shape[1], device=block_ids.device)
-        x = self._io()[0](block_ids)
+        x, residual = self._io()[0](block_ids), None
         for layer, (k, v) in zip(self.layers, context.kv, strict=True):
-            x = layer.forward_cached(x, positions, k, v, context.slots, context.lengths)
-        return self.norm(x)
+            x, residual = layer.forward_cached(x, residual, positions, k, v, context.slots, context.lengths)
+        return self.norm.forward_add(x, residual)[0]
 
     def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
         """prev_ids [...] -> W2(W1[prev]) [..., V], or None without a Markov head."""
@@ -363,10 +411,9 @@ class DSparkDrafter(PreTrainedModel):
             raise ValueError(f"num_tokens must be in 1..block_size={g}, got {num_tokens}")
         sampled = [i for i, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE]
         device = anchor_ids.device
-        block = torch.full((n, g), self.config.mask_token_id, dtype=torch.long, device=device)
-        block[:, 0] = anchor_ids
+        block = F.pad(anchor_ids[:, None], (0, g - 1), value=self.config.mask_token_id)  # [anchor, MASK...]
         hidden = self.backbone_cached(block, anchor_positions, context)[:, :num_tokens]
-        base = self._io()[1](hidden).float()
+        base = self._io()[1](hidden)  # the greedy chain reads the head's dtype as fp32 itself
         if not sampled and self.markov_embed is not None:
             # the whole chain and the confidence head in one op: one Triton launch where the switch picks it
             head = self.confidence_head
@@ -376,7 +423,7 @@ class DSparkDrafter(PreTrainedModel):
             probs = None
         else:
             tokens, probs, conf = self._draft_chain(
-                anchor_ids, hidden, base, sampled, temperatures, generators, with_probs
+                anchor_ids, hidden, base.float(), sampled, temperatures, generators, with_probs
             )
         if with_probs:
             one_hot = F.one_hot(tokens, base.shape[-1]).float()

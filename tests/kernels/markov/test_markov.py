@@ -72,6 +72,19 @@ def test_triton_matches_reference(dtype, n, k, conf):
 
 
 @pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("fn", [markov_chain_greedy_ref, markov_chain_greedy_triton], ids=["torch", "triton"])
+def test_half_base_is_read_as_fp32(fn):
+    """The LM head's fp16 logits go in as they are (no cast kernel): the result is the chain on their exact fp32
+    widening."""
+    base, *rest = _inputs(3, 5, seed=11, dtype=torch.float16)
+    half = base.half()
+    tokens, confidence = fn(half, *rest)
+    want_tokens, want_conf = markov_chain_greedy_ref(half.float(), *rest)
+    assert torch.equal(tokens, want_tokens)
+    assert_rel_close("confidence", confidence, want_conf, TOL[torch.float32])
+
+
+@pytest.mark.usefixtures("poisoned_empty")
 @pytest.mark.parametrize("max_splits", [1, 2, 5])
 def test_triton_matches_reference_with_several_tiles_a_split(max_splits, monkeypatch):
     """Fewer vocabulary splits than W2 tiles (12 at V = 1500): each program loops over several tiles, and tied
@@ -130,8 +143,8 @@ def test_nan_logits_still_give_valid_token_ids():
 def test_bad_arguments_raise():
     base, anchors, w1, w2, hidden, conf_weight, conf_bias = _inputs(2, 3, seed=9, dtype=torch.float32)
     for fn in (markov_chain_greedy_ref, markov_chain_greedy_triton):
-        with pytest.raises(ValueError, match="base must be fp32"):
-            fn(base.half(), anchors, w1, w2)
+        with pytest.raises(ValueError, match="base must be fp32/fp16/bf16"):
+            fn(base.double(), anchors, w1, w2)
         with pytest.raises(ValueError, match="anchor_ids must be int64"):
             fn(base, anchors.int(), w1, w2)
         with pytest.raises(ValueError, match="w1 and w2"):
