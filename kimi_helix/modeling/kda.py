@@ -130,18 +130,20 @@ class KimiDeltaAttention(nn.Module):
         scratch = cache.verify_scratch(self.layer_idx, t, len(slots)) if record else None
         conv_before = inputs = None
         if scratch is not None:
-            conv_before = torch.index_select(conv_state, 0, slots, out=scratch.conv_before)
-            inputs = torch.cat(qkv, dim=-1, out=scratch.inputs)
+            conv_before, inputs = scratch.conv_before, scratch.inputs
         elif record:
-            conv_before, inputs = conv_state[slots].clone(), torch.cat(qkv, dim=-1)
-        if run.decode_path and all(n == 1 for n in run.batch.seq_lens):
+            conv_before = conv_state.new_empty(len(slots), *conv_state.shape[1:])
+            inputs = qkv[0].new_empty(t, conv_state.shape[2])
+        # the varlen conv writes the records (the states before, the raw inputs) itself, so a run that records takes
+        # it even if its groups are single tokens
+        if run.decode_path and not record and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(
                 qkv, conv_state, self.conv_weights(), state_indices=slots, backend=self.backends.kernels
             )
         else:
             qkv = causal_conv1d(
                 [z[None] for z in qkv], self.conv_weights(), conv_state, True, cu, state_indices=slots,
-                backend=self.backends.kernels,
+                record_into=(conv_before, inputs) if record else None, backend=self.backends.kernels,
             )[0][0]  # fmt: skip
         q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
         core = fused_recurrent_kda if run.decode_path else chunk_kda

@@ -47,6 +47,25 @@ def test_verify_logits_equal_the_full_forward_at_every_position_in_a_mixed_step(
         torch.testing.assert_close(out.logits[rows], full_logits(model, ids)[start : start + n], rtol=1e-5, atol=1e-5)
 
 
+def test_a_verify_group_of_one_token_records_its_state_and_input():
+    """A verify group without drafts takes the varlen conv (which writes the rollback records) where a decode takes
+    the one-token update: the same logits and states, and its record holds the conv state before it and its input."""
+    llm = LLM(make_model(), page_size=8)
+    (a,) = prompts([11], seed=16)
+    ra, rb = admitted(llm, 0, a), admitted(llm, 1, a)
+    run(llm, [(ra, Phase.PREFILL, a), (rb, Phase.PREFILL, a)])
+    slot_a, slot_b = llm.cache.ledger.seqs[0].slot, llm.cache.ledger.seqs[1].slot
+    before = {layer: pool[slot_a].clone() for layer, pool in llm.cache.conv.items()}
+    out = run(llm, [(ra, Phase.VERIFY, [7]), (rb, Phase.DECODE, [7])])
+    torch.testing.assert_close(out.logits[out.rows[0]], out.logits[out.rows[1]], rtol=1e-5, atol=1e-5)
+    assert before and set(llm.cache.verify_records) == set(before)
+    for layer, conv in llm.cache.conv.items():
+        record = llm.cache.verify_records[layer][0]
+        assert record.context_len == len(a) and torch.equal(record.conv_before, before[layer])
+        assert torch.equal(torch.cat([record.conv_before, record.inputs])[-conv.shape[1] :], conv[slot_a])
+        torch.testing.assert_close(conv[slot_a], conv[slot_b], rtol=1e-5, atol=1e-5)  # deeper layers' inputs round
+
+
 def test_intermediate_prefill_chunks_return_no_rows():
     llm = LLM(make_model(), page_size=8)
     (p,) = prompts([20], seed=12)

@@ -26,15 +26,19 @@ def causal_conv1d(
     activation="silu",
     state_indices=None,
     *,
+    record_into=None,
     backend=None,
 ):
     """Causal depthwise conv + activation over x [B, T, D] or its channel groups (varlen with cu_seqlens); see
-    `naive.causal_conv1d`."""
+    `naive.causal_conv1d`. record_into: (conv_before [N, W-1, D], inputs [B*T, D]) buffers that also receive each
+    sequence's state before the call and the raw inputs (a verify step's rollback records)."""
     if op_backend("causal_conv1d", _first(x), forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_triton as fn
     else:
         fn = naive.causal_conv1d
-    return fn(x, weight, initial_state, output_final_state, cu_seqlens, activation, state_indices)
+    return fn(
+        x, weight, initial_state, output_final_state, cu_seqlens, activation, state_indices, record_into=record_into
+    )
 
 
 def causal_conv1d_update(x, conv_state, weight, activation="silu", state_indices=None, *, backend=None):

@@ -60,6 +60,20 @@ def _check_state(name: str, state: torch.Tensor, N: int, W: int, D: int) -> None
         raise ValueError(f"{name} must have shape [N, W-1, D]=[{N}, {W - 1}, {D}], got {list(state.shape)}")
 
 
+def check_record(record_into, N: int, W: int, tokens: int, D: int, output_final_state: bool, initial_state):
+    """The ``record_into`` buffers ``(conv_before [N, W-1, D], inputs [tokens, D])`` of a causal_conv1d call, checked.
+
+    Recording needs the initial state (the rows it saves) and ``output_final_state``: the final-state pass is the
+    one that reads every sequence's whole state (and, with a pool, overwrites it)."""
+    conv_before, inputs = record_into
+    if initial_state is None or not output_final_state:
+        raise ValueError("record_into needs initial_state and output_final_state=True")
+    _check_state("record_into's conv_before", conv_before, N, W, D)
+    if tuple(inputs.shape) != (tokens, D):
+        raise ValueError(f"record_into's inputs must have shape [B*T, D]=[{tokens}, {D}], got {list(inputs.shape)}")
+    return conv_before, inputs
+
+
 def _conv_batch(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None):
     """x [n, L, D] fp32; w [D, W] fp32; state [n, W-1, D] or None -> (pre-activation y [n, L, D], xs [n, W-1+L, D])."""
     n, L, D = x.shape
@@ -82,6 +96,8 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor | None = None,
     activation: str | None = "silu",
     state_indices: torch.Tensor | None = None,
+    *,
+    record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal depthwise conv (no bias) followed by an optional SiLU.
 
@@ -102,6 +118,10 @@ def causal_conv1d(
         state_indices: ``[N]``: ``initial_state`` is then a pool ``[slots, W - 1, D]``; sequence i reads slot
             ``state_indices[i]`` and, with ``output_final_state``, its final state is written back in place (the
             pool is returned).
+        record_into: ``(conv_before [N, W - 1, D], inputs [B * T, D])``, filled as well (what a speculative verify
+            step keeps to roll its state back): ``conv_before[n]`` the state sequence n read (its pool slot's rows)
+            as it was before the call, ``inputs`` the raw inputs of every token (the channel groups concatenated),
+            each cast to its buffer's dtype. Needs ``initial_state`` and ``output_final_state``.
 
     Returns:
         ``(y [B, T, D] in x.dtype, final_state [N, W - 1, D] in x.dtype or None)``. The final state holds the last
@@ -118,6 +138,10 @@ def causal_conv1d(
     pool, initial_state = initial_state, gather_states(initial_state, state_indices)
     if initial_state is not None:
         _check_state("initial_state", initial_state, N, W, D)
+    if record_into is not None:
+        conv_before, inputs = check_record(record_into, N, W, B * T, D, output_final_state, initial_state)
+        conv_before.copy_(initial_state)  # gathered from the pool (a copy) before the final states overwrite it
+        inputs.copy_(x.reshape(B * T, D))
 
     xf, wf = x.float(), weight.float()
     if segs is None:

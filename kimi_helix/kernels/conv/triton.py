@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
 from kimi_helix.kernels.common import check_cu_seqlens, check_device, check_index, check_triton_device
-from kimi_helix.kernels.conv.naive import channel_groups, check_weight
+from kimi_helix.kernels.conv.naive import channel_groups, check_record, check_weight
 from kimi_helix.kernels.device import interpreting, triton_devices
 from kimi_helix.kernels.launch import cdiv, next_pow2
 from kimi_helix.kernels.sequences import sequence_span
@@ -50,6 +50,7 @@ def causal_conv1d_fwd_kernel(
     w2,
     y,
     h0,
+    xr,
     cu_seqlens,
     state_indices,
     stride_x0,
@@ -58,6 +59,7 @@ def causal_conv1d_fwd_kernel(
     stride_y,
     stride_h0_n,
     stride_h0_w,
+    stride_xr,
     total_t,
     T,
     N,
@@ -70,6 +72,7 @@ def causal_conv1d_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     SILU: tl.constexpr,
+    RECORD: tl.constexpr,
 ):
     # One [BT tokens, BD channels] tile of channel group i_s of the packed input. A tap that reaches before its
     # token's sequence start reads the sequence's cache instead (or zero), so sequences never see each other's inputs.
@@ -101,6 +104,8 @@ def causal_conv1d_fwd_kernel(
         in_seq = src >= bos
         m = mask_t[:, None] & mask_d[None, :]
         b_x = tl.load(x + src[:, None] * stride_x_t + o_d[None, :], mask=m & in_seq[:, None], other=0.0)
+        if RECORD and j == W - 1:  # the last tap is the token's own input: record it from the load the conv needs
+            tl.store(xr + o_t[:, None] * stride_xr + o_c[None, :], b_x.to(xr.dtype.element_ty), mask=m)
         b_x = b_x.to(tl.float32)
         if USE_INITIAL_STATE:
             p_h = h0 + slot[:, None] * stride_h0_n + (src - bos + W - 1)[:, None] * stride_h0_w + o_c[None, :]
@@ -120,6 +125,7 @@ def causal_conv1d_final_state_kernel(
     x2,
     h0,
     ht,
+    hb,
     cu_seqlens,
     state_indices,
     stride_x0,
@@ -129,6 +135,8 @@ def causal_conv1d_final_state_kernel(
     stride_h0_w,
     stride_ht_n,
     stride_ht_w,
+    stride_hb_n,
+    stride_hb_w,
     T,
     P,
     W: tl.constexpr,
@@ -137,9 +145,11 @@ def causal_conv1d_final_state_kernel(
     IS_VARLEN: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
+    RECORD: tl.constexpr,
 ):
     # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
-    # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free.
+    # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free. With RECORD
+    # it first copies the whole old slab to hb (the verify step's rollback record).
     i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     x, _, stride_x_t = _group(i_s, x0, x1, x2, x0, x1, x2, stride_x0, stride_x1, stride_x2)
     bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
@@ -153,6 +163,13 @@ def causal_conv1d_final_state_kernel(
     if USE_INITIAL_STATE:
         p_h = h0 + slot * stride_h0_n + (pos - bos + W - 1)[:, None] * stride_h0_w + o_c[None, :]
         b_s = tl.where(in_seq[:, None], b_s, tl.load(p_h, mask=m & ~in_seq[:, None], other=0.0).to(b_s.dtype))
+    if RECORD:
+        # all W - 1 old rows, not only those the taps reach; each element is loaded by the thread that stores the
+        # new one over it below (the same [BW, BD] tile), so the load precedes the overwrite
+        b_old = tl.load(h0 + slot * stride_h0_n + o_w[:, None] * stride_h0_w + o_c[None, :], mask=m)
+        tl.store(
+            hb + i_n * stride_hb_n + o_w[:, None] * stride_hb_w + o_c[None, :], b_old.to(hb.dtype.element_ty), mask=m
+        )
     tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_c[None, :], b_s.to(ht.dtype.element_ty), mask=m)
 
 
@@ -247,6 +264,8 @@ def causal_conv1d_triton(
     cu_seqlens: torch.Tensor | None = None,
     activation: str | None = "silu",
     state_indices: torch.Tensor | None = None,
+    *,
+    record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal depthwise conv (no bias) with an optional fused SiLU; the contract of ``conv.naive.causal_conv1d``.
 
@@ -265,6 +284,11 @@ def causal_conv1d_triton(
         cu_seqlens: ``[N + 1]`` int32/int64 boundaries of a packed ``B == 1`` input.
         activation: ``"silu"`` (alias ``"swish"``) or None.
         state_indices: ``[N]`` int32/int64 pool slot of each sequence.
+        record_into: ``(conv_before [N, W - 1, D], inputs [B * T, D])``, contiguous along D, filled as well (a
+            verify step's rollback records, no extra launch): ``conv_before[n]`` the state sequence n read as it
+            was before the call (written by the final-state kernel before it overwrites the slot), ``inputs`` the
+            raw inputs of every token, the groups concatenated (stored by the conv kernel from the load of each
+            token's own tap). Needs ``initial_state`` and ``output_final_state``.
 
     Returns:
         ``(y [B, T, D] in x.dtype, final_state)``: ``[N, W - 1, D]`` in x.dtype, the pool, or None.
@@ -281,6 +305,13 @@ def causal_conv1d_triton(
         check_index("state_indices", state_indices, N, x.device, "x")
     if initial_state is not None:
         _check_state("initial_state", initial_state, x, W, D, None if state_indices is not None else N)
+    conv_before = inputs = None
+    if record_into is not None:
+        conv_before, inputs = check_record(record_into, N, W, B * T, D, output_final_state, initial_state)
+        _check_state("record_into's conv_before", conv_before, x, W, D, N)
+        check_device("record_into's inputs", inputs, x.device, "x")
+        if inputs.stride(-1) != 1:
+            raise ValueError("record_into's inputs must be contiguous along D")
 
     x3, w3, strides = _padded(xs, ws)
     y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
@@ -289,12 +320,14 @@ def causal_conv1d_triton(
     if B * T > 0:
         grid = (cdiv(B * T, bt), len(xs), cdiv(P, bd))
         causal_conv1d_fwd_kernel[grid](
-            *x3, *w3, y, initial_state, cu_seqlens, state_indices, *strides, D, *h0_strides,
-            B * T, T, N, P, W=W, BT=bt, BD=bd, LOG_N=N.bit_length() if cu_seqlens is not None else 0,
+            *x3, *w3, y, initial_state, inputs, cu_seqlens, state_indices, *strides, D, *h0_strides,
+            0 if inputs is None else inputs.stride(0), B * T, T, N, P,
+            W=W, BT=bt, BD=bd, LOG_N=N.bit_length() if cu_seqlens is not None else 0,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             USE_STATE_INDICES=state_indices is not None,
             SILU=silu,
+            RECORD=record_into is not None,
             num_warps=4,
         )  # fmt: skip
     if not output_final_state:
@@ -302,12 +335,13 @@ def causal_conv1d_triton(
     final = initial_state if state_indices is not None else torch.empty(N, W - 1, D, dtype=x.dtype, device=x.device)
     if W > 1:
         causal_conv1d_final_state_kernel[(N, len(xs), cdiv(P, bd))](
-            *x3, initial_state, final, cu_seqlens, state_indices, *strides, *h0_strides,
-            final.stride(0), final.stride(1), T, P,
+            *x3, initial_state, final, conv_before, cu_seqlens, state_indices, *strides, *h0_strides,
+            final.stride(0), final.stride(1), *((0, 0) if conv_before is None else conv_before.stride()[:2]), T, P,
             W=W, BW=next_pow2(W - 1), BD=bd,
             IS_VARLEN=cu_seqlens is not None,
             USE_INITIAL_STATE=initial_state is not None,
             USE_STATE_INDICES=state_indices is not None,
+            RECORD=record_into is not None,
             num_warps=4,
         )  # fmt: skip
     return y, final

@@ -170,3 +170,20 @@ def test_state_pool_by_slot_index():
     y_ref = causal_conv1d_update(step, expected_state, weight)
     assert torch.equal(causal_conv1d_update(step, pool, weight, state_indices=slots), y_ref)
     assert torch.equal(pool[slots], expected_state) and torch.equal(pool[[0, 2, 4]], before[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["dense", "pool"])
+def test_records(pooled):
+    """record_into holds the states the sequences read before the call (the pool rows, before they are
+    overwritten) and the raw inputs of the channel groups concatenated; y and the final states are unchanged."""
+    lens, D3 = [1, 6, 2, 0, 5], 3 * D
+    xs, ws = [rand(1, sum(lens), D, seed=30 + i) for i in range(3)], [rand(D, W, seed=33 + i) for i in range(3)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    slots = torch.tensor([4, 0, 6, 2, 5]) if pooled else None
+    state = rand(7 if pooled else len(lens), W - 1, D3, seed=36)
+    records = (torch.full((len(lens), W - 1, D3), float("nan")), torch.full((sum(lens), D3), float("nan")))
+    y, final = causal_conv1d(xs, ws, state.clone(), True, cu, state_indices=slots, record_into=records)
+    assert torch.equal(records[0], state if slots is None else state[slots])
+    assert torch.equal(records[1], torch.cat(xs, -1)[0])
+    y_plain, final_plain = causal_conv1d(xs, ws, state.clone(), True, cu, state_indices=slots)
+    assert torch.equal(y, y_plain) and torch.equal(final, final_plain)

@@ -133,6 +133,50 @@ def test_prefill_channel_groups_equal_concatenation(pooled):
         assert torch.equal(pool[[4, 6]], before[[4, 6]])
 
 
+def _nans(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("pooled", [False, True], ids=["dense", "pool"])
+@pytest.mark.parametrize("width", [1, 2, W])
+def test_records_match_naive(dtype, pooled, width):
+    """record_into of a varlen call over q, k, v channel groups (strided slices): the states before the call and
+    the raw inputs equal the reference's exactly (NaN-filled buffers, so an entry left unwritten fails), and
+    recording changes neither y nor the final states."""
+    B, T, N = 1, sum(LENS), len(LENS)  # sequences shorter than W - 1, empty, and longer than a token block
+    wide = rnd(B, T, 3, D + 8, seed=50, dtype=dtype)
+    xs, ws = [wide[:, :, i, :D] for i in range(3)], [rnd(D, width, seed=51 + i, dtype=dtype) for i in range(3)]
+    slots = torch.tensor([7, 0, 3, 5, 1, 2], device=DEVICE) if pooled else None
+    state = rnd(8 if pooled else N, width - 1, 3 * D, seed=54, dtype=dtype)
+    outs = []
+    for fn in (causal_conv1d_triton, causal_conv1d):
+        records = (_nans(N, width - 1, 3 * D, dtype=dtype), _nans(B * T, 3 * D, dtype=dtype))
+        pool = state.clone()
+        y, final = fn(xs, ws, pool, True, cu(LENS), state_indices=slots, record_into=records)
+        outs.append((y, final.clone(), *records))
+    (y, final, before, inputs), (y_ref, final_ref, before_ref, inputs_ref) = outs
+    assert torch.equal(before, before_ref) and torch.equal(inputs, inputs_ref)
+    y_plain, final_plain = causal_conv1d_triton(xs, ws, state.clone(), True, cu(LENS), state_indices=slots)
+    assert torch.equal(y, y_plain) and torch.equal(final, final_plain)
+    assert_rel_close("y", y, y_ref, TOL[dtype])
+    assert torch.equal(final, final_ref)
+
+
+def test_records_need_state_and_final_state():
+    x, w, s = rnd(1, 5, D, seed=60), rnd(D, W, seed=61), rnd(2, W - 1, D, seed=62)
+    records = (torch.empty(2, W - 1, D, device=DEVICE), torch.empty(5, D, device=DEVICE))
+    for fn in (causal_conv1d_triton, causal_conv1d):
+        with pytest.raises(ValueError, match="output_final_state"):
+            fn(x, w, s, False, cu([2, 3]), record_into=records)
+        with pytest.raises(ValueError, match="initial_state"):
+            fn(x, w, None, True, cu([2, 3]), record_into=records)
+        with pytest.raises(ValueError, match="record_into's inputs"):
+            fn(x, w, s, True, cu([2, 3]), record_into=(records[0], records[1][:4]))
+        with pytest.raises(ValueError, match="record_into's conv_before"):
+            fn(x, w, s, True, cu([2, 3]), record_into=(records[0][:1], records[1]))
+
+
 def test_prefill_then_decode():
     T = 9
     x, w = rnd(2, T, D, seed=15), rnd(D, W, seed=16)
