@@ -35,7 +35,8 @@ def test_all_triton_engine_equals_torch_engine(fresh_selection, caplog):
     with caplog.at_level(logging.INFO, logger="kimi_helix.kernels.backends"):
         fast = LLM(model, **engine, attention_backend="triton", kernel_backend="triton").generate(prompts, params)
     chosen = " ".join(caplog.messages)
-    speculative = ("markov_chain_greedy", "draft_attention", "accept_and_stage", "restore_verified_states")
+    speculative = ("markov_chain_greedy", "draft_attention", "norm_rotary", "norm_rotary_into_cache")
+    speculative += ("accept_and_stage", "restore_verified_states")
     target_ops = [op for op in OPS if op not in speculative]  # the drafter's and the asynchronous rounds' ops
     for op in target_ops:  # the projections' `linear` is always chosen automatically (`layers.Linear`)
         forced = "triton" if op != "linear" else "torch"

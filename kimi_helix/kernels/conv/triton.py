@@ -148,8 +148,9 @@ def causal_conv1d_final_state_kernel(
     RECORD: tl.constexpr,
 ):
     # The last W - 1 inputs of each sequence, topped up from its old cache when the sequence is shorter. With a pool
-    # the same program reads and then overwrites its slot's [W - 1, BD] slab, so in-place is race free. With RECORD
-    # it first copies the whole old slab to hb (the verify step's rollback record).
+    # the same program reads and then overwrites its slot's [W - 1, BD] slab; a sequence shorter than W - 1 moves
+    # old row j + L to row j, loaded and stored by different warps, so a barrier parts the loads from the stores.
+    # With RECORD it first copies the whole old slab to hb (the verify step's rollback record).
     i_n, i_s, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     x, _, stride_x_t = _group(i_s, x0, x1, x2, x0, x1, x2, stride_x0, stride_x1, stride_x2)
     bos, eos, slot = sequence_span(cu_seqlens, state_indices, i_n, T, IS_VARLEN, USE_STATE_INDICES)
@@ -170,6 +171,8 @@ def causal_conv1d_final_state_kernel(
         tl.store(
             hb + i_n * stride_hb_n + o_w[:, None] * stride_hb_w + o_c[None, :], b_old.to(hb.dtype.element_ty), mask=m
         )
+    if USE_STATE_INDICES:  # ht is h0: every warp's loads of the slab before any warp's stores
+        tl.debug_barrier()
     tl.store(ht + slot * stride_ht_n + o_w[:, None] * stride_ht_w + o_c[None, :], b_s.to(ht.dtype.element_ty), mask=m)
 
 
