@@ -41,11 +41,13 @@ def _drafter_dir(model, path):
     return path
 
 
-def test_static_capture_returns_the_hook_captures_features(target):
+@pytest.mark.parametrize("layer_ids", [[0, 2], [2, 0, 1]], ids=str)
+def test_static_capture_returns_the_hook_captures_features(target, layer_ids):
+    """The static buffer's columns follow `layer_ids` order, whichever captured layer runs last."""
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(0))
-    static = TargetFeatureCapture(target, [0, 2], max_tokens=16)
+    static = TargetFeatureCapture(target, layer_ids, max_tokens=16)
     static.buffer.fill_(float("nan"))  # rows past the forward's tokens stay poisoned: pop never shows them
-    with TargetFeatureCapture(target, [0, 2]) as hooked, static:
+    with TargetFeatureCapture(target, layer_ids) as hooked, static:
         target(ids)
         want = hooked.pop()
     got = static.pop(11)

@@ -14,9 +14,10 @@ class TargetFeatureCapture:
 
     - Without `max_tokens` (training): after a forward, `pop()` returns the captured outputs concatenated in
       `layer_ids` order, [..., T, m*d] (the layers' own token layout), and clears them.
-    - With `max_tokens` (the engine): each hook copies its layer's packed output [T, d] into a static feature
-      buffer [max_tokens, m*d] that the capture owns. A copy into a preallocated tensor is recorded by a CUDA
-      graph and replayed with it, so the engine's graphed steps fill the buffer too (the hooks say so with
+    - With `max_tokens` (the engine): the hooks hold their layers' packed outputs [T, d], and the last captured
+      layer's hook concatenates them into a static feature buffer [max_tokens, m*d] that the capture owns (one
+      launch a forward). A copy into a preallocated tensor is recorded by a CUDA graph and replayed with it, so
+      the engine's graphed steps fill the buffer too (the hooks say so with
       `graph_safe`, which `engine.cuda_graph.StepGraphs` reads). `pop(num_tokens)` returns a view of the first
       `num_tokens` rows, valid until the next target forward.
     """
@@ -33,6 +34,7 @@ class TargetFeatureCapture:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be None or an int >= 1, got {max_tokens!r}")
         self._layers = [layers[i] for i in layer_ids]
+        self._last = max(range(len(layer_ids)), key=layer_ids.__getitem__)  # the captured layer that runs last
         self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles: list = []
         self.buffer: torch.Tensor | None = None  # [max_tokens, m*d] in static mode
@@ -61,13 +63,17 @@ class TargetFeatureCapture:
                 self._outputs[slot] = output.detach()
 
             return store
-        d, buffer = self._width, self.buffer
+        d, buffer, outputs = self._width, self.buffer, self._outputs
+        last = slot == self._last
 
         def copy(module, args, output):
             rows = output.detach().reshape(-1, d)
             if rows.shape[0] > buffer.shape[0]:
                 raise ValueError(f"a target forward of {rows.shape[0]} tokens exceeds max_tokens={buffer.shape[0]}")
-            buffer[: rows.shape[0], slot * d : (slot + 1) * d].copy_(rows)
+            outputs[slot] = rows  # held (not freed, so not reused) until the last captured layer has run
+            if last:  # every captured layer's rows into the buffer in one launch
+                torch.cat(outputs, dim=-1, out=buffer[: rows.shape[0]])
+                outputs[:] = [None] * len(outputs)
 
         copy.graph_safe = True  # its only effect is a device copy into a static buffer: a replay repeats it
         return copy
