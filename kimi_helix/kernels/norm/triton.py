@@ -118,8 +118,10 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if gate.shape != x.shape:
         raise ValueError(f"gate must have the shape of x {list(x.shape)}, got {list(gate.shape)}")
     D = _check_rows(x, weight, gate=gate)
-    x2, sx, sxi, inner = _rows(x, D)
-    g2, sg, sgi, _ = _rows(gate, D, inner)
+    # the gate first: it is the one read in place from a wider projection (KDA's [T, H, K] slice, whose tokens do not
+    # merge with its heads), and x's rows take its INNER, so that neither is copied
+    g2, sg, sgi, inner = _rows(gate, D)
+    x2, sx, sxi, _ = _rows(x, D, inner)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // D
     if rows > 0:

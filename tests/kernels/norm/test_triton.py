@@ -35,6 +35,16 @@ def test_gated_strided_rows_and_large_eps():
     assert_rel_close("y", y, gated_rms_norm_ref(x, gate, weight, 0.5), 1e-5)
 
 
+def test_gated_per_head_gate_of_a_wider_projection():
+    """KDA's verify layout: x [T, H, K] contiguous, the gate a [T, H, K] slice of a wider projection (its tokens do
+    not merge with its heads), read in place as per-head rows."""
+    t, h, k = 6, 4, 32
+    x, wide = rnd(t, h, k, seed=9) * 2.0, rnd(t, 5 * h * k, seed=10)
+    gate, weight = wide[:, 3 * h * k : 4 * h * k].view(t, h, k), rnd(k, seed=11)
+    y = gated_rms_norm_triton(x, gate, weight, 1e-6)
+    assert_rel_close("y", y, gated_rms_norm_ref(x, gate, weight, 1e-6), 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("D", [64, 40], ids=["D64", "D40"])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["add", "norm_only"])
