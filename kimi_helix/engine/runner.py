@@ -235,7 +235,7 @@ class ModelRunner:
             index.extend(range(start + wanted.start, start + wanted.stop))
             start += m
         host = self.buffers.host_fields(t, n, len(index))
-        self._stage_live(host, step, contexts)
+        self._stage_live(host, step, contexts, 0 if padding is None else padding.page)
         host.logits_index[:] = index
         if padding is not None:
             self._stage_padding(host, padding, n_live)
@@ -261,8 +261,9 @@ class ModelRunner:
         )
         return StepInputs(dev.input_ids[:t_live], batch, view, dev.logits_index), rows
 
-    def _stage_live(self, host: StepFields, step: ScheduledStep, contexts: list[int]) -> None:
-        """Write the scheduled sequences' rows of every field into the host views (vectorised over tokens)."""
+    def _stage_live(self, host: StepFields, step: ScheduledStep, contexts: list[int], spare_page: int) -> None:
+        """Write the scheduled sequences' rows of every field into the host views (vectorised over tokens); the
+        block table's entries past each sequence's pages hold `spare_page`."""
         n, t, ps = len(step.requests), step.total_tokens, self.cache.ledger.page_size
         lens = np.array(step.num_tokens, dtype=np.int64)
         ctx = np.array(contexts, dtype=np.int64)
@@ -274,7 +275,9 @@ class ModelRunner:
         blocks = [ledger.map(r.request_id, c + m) for r, c, m in zip(step.requests, contexts, step.num_tokens)]
         host.state_indices[:n] = [b.slot for b in blocks]
         table = host.block_table[:n]
-        table.fill(0)  # unused entries: page 0, never read (the kernels stop at each sequence's length)
+        # Unused entries: the kernels stop at each sequence's length. A graphed step passes its scratch page, where
+        # a round staged on the device (speculative.async_rounds) writes the drafts past a sequence's reservation.
+        table.fill(spare_page)
         for row, b in zip(table, blocks):
             pages = b.table_row()
             row[: pages.shape[0]] = pages

@@ -17,13 +17,15 @@ from the one before (`round_tail`, one CUDA graph a batch shape):
 
 The host replays the verify graph and the tail, then reads the round before (its tokens, EOS and stop checks,
 lengths): one round behind, so the GPU always has the next round queued. What the host cannot know ahead it
-provides ahead: every request maps its cache pages and drafter rows for two rounds of 1 + k tokens. A request that
-stops in round N was already in round N + 1: that round's tokens for it are dropped (its state slot is zeroed and its
-pages freed after it, in stream order).
+provides ahead: every request maps its cache pages and drafter rows for two rounds of 1 + k tokens, up to its
+reservation; tokens past it (the last rounds' drafts beyond `max_tokens`) are written to the graphs' scratch page,
+which the block table holds past every sequence's pages. A request that stops in round N was already in round N + 1:
+that round's tokens for it are dropped (its state slot is zeroed and its pages freed after it, in stream order), and
+a round's drafts past `max_tokens` count in the metrics as the synchronous round's shorter draft would.
 
-Rounds overlap only while the batch is steady: every running request greedy DSpark, past its prompt, with room for
-two more full rounds by `max_tokens`, no request waiting, no logprobs, fixed k, one process, and a graph shape for
-the verify step. Anything else first completes the round in flight (`drain`), which leaves the engine exactly as a
+Rounds overlap only while the batch is steady: every running request greedy DSpark, past its prompt, with more than
+one token left by `max_tokens`, no request waiting, no logprobs, fixed k, one process, a graph shape for the verify
+step, and block-table room for three rounds past its last token. Anything else first completes the round in flight (`drain`), which leaves the engine exactly as a
 synchronous round would have, and runs synchronously.
 """
 
@@ -106,14 +108,15 @@ class AsyncRounds:
         if flight is not None and (len(flight.requests) != len(running) or any(
                 a is not b for a, b in zip(flight.requests, running))):  # fmt: skip
             return False
-        rounds = 2 if flight is not None else 1  # full rounds of 1 + k tokens the request must still allow
+        room = llm.runner.buffers.max_pages * llm.cache.ledger.page_size  # positions a block-table row addresses
         for r in running:
             params = r.params
             if r.prefilling or r.pending != 1 or not params.greedy:
                 return False
             if params.logprobs is not None or params.prompt_logprobs is not None:
                 return False
-            if params.max_tokens - len(r.output_ids) < rounds * self.group:
+            # One token left: the round in flight (or a plain step) ends the request, a round more would be wasted.
+            if params.max_tokens - len(r.output_ids) < 2 or len(r.token_ids) + 3 * self.group > room:
                 return False
             if flight is None and proposer.context_len(r.request_id) != len(r.token_ids) - 1:
                 return False
@@ -307,7 +310,7 @@ class AsyncRounds:
         verdict = done.read()
         llm, metrics, group = self.llm, self.decoder.metrics, self.group
         ledger, lengths = llm.cache.ledger, self.decoder.proposer.cache.length
-        finished = generated = 0
+        finished = generated = groups = 0
         following = []
         for r, p, row in zip(done.requests, done.positions, verdict):
             accepted = int(row[group])
@@ -315,7 +318,10 @@ class AsyncRounds:
             following.append(keep)
             if r.finish_reason is not None:  # stopped in an earlier round: this one ran past its end
                 continue
-            metrics.add(self.k, accepted)
+            drafts = min(self.k, r.params.max_tokens - len(r.output_ids) - 1)  # what a synchronous round verifies
+            if drafts > 0:
+                metrics.add(drafts, min(accepted, drafts))
+                groups += 1
             stopped = False
             for token in row[: accepted + 1].tolist():
                 generated += 1
@@ -330,4 +336,4 @@ class AsyncRounds:
             lengths[r.request_id] = keep
         if not last and self.in_flight is not None:
             self.in_flight.positions = following
-        return finished, generated, len(done.requests)
+        return finished, generated, groups

@@ -22,6 +22,7 @@ from kimi_helix.engine.cuda_graph import StepGraphs
 from kimi_helix.kernels.accept_stage import accept_and_stage
 from kimi_helix.kernels.device import interpreting
 from kimi_helix.kernels.state_restore import restore_verified_states
+from kimi_helix.modeling.batch import Phase
 from kimi_helix.speculative import async_rounds
 from kimi_helix.speculative.async_rounds import AsyncRounds
 
@@ -72,6 +73,52 @@ def _check(device: str, prompts, k: int):
     ledger = overlapped.cache.ledger
     assert ledger.pages_in_use == sum(len(b.pages) for b in ledger.seqs.values()) and len(ledger.seqs) == 1
     assert overlapped.speculative.proposer.cache.length == {}
+
+
+@pytest.mark.parametrize(("which", "max_tokens"), [(1, 21), (2, 33)])  # waiting for room left synchronous rounds
+def test_async_rounds_run_until_max_tokens(prompts, which, max_tokens):
+    """One request: after its prefill every round runs asynchronously, the last ones too (their drafts past
+    `max_tokens` write the graphs' scratch page), with plain greedy's tokens and the synchronous rounds' metrics."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompt = [prompts[which]]
+    plain = _run(_llm("cpu", None, False), prompt, params)
+    sync, overlapped = _llm("cpu", 5, False), _llm("cpu", 5, True)
+    scheduled = []
+    schedule = overlapped.scheduler.schedule
+    overlapped.scheduler.schedule = lambda: scheduled.append(step := schedule()) or step
+    assert _run(sync, prompt, params) == plain
+    assert _run(overlapped, prompt, params) == plain
+    phases = [phase for step in scheduled for phase in step.phases]
+    assert Phase.PREFILL in phases and Phase.VERIFY not in phases  # no synchronous round
+    want, got = sync.speculative.metrics, overlapped.speculative.metrics
+    assert (got.rounds, got.emitted, got.proposed_at, got.accepted_at) == (
+        want.rounds, want.emitted, want.proposed_at, want.accepted_at)  # fmt: skip
+    ledger = overlapped.cache.ledger
+    assert len(ledger.seqs) == 1 and ledger.pages_in_use == len(next(iter(ledger.seqs.values())).pages)
+
+
+def test_drafts_past_a_reservation_leave_other_pages_alone(prompts):
+    """Request 1 reserves exactly three pages (24 + 25 - 1 tokens) and its last rounds draft past them while
+    request 0, whose pages were mapped first, decodes on: those drafts must land on the scratch page."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 25)]
+    plain = _run(_llm("cpu", None, False), prompts[:2], params)
+    llm = _llm("cpu", 5, True)
+    ledger, rounds = llm.cache.ledger, llm.async_rounds
+    assert ledger.pages_for(len(prompts[1]) + 25 - 1) * 16 == len(prompts[1]) + 25 - 1
+    pages_written = []
+    tail = rounds._tail
+
+    def checked_tail(logits):  # the verify step just launched wrote its tokens at these slots
+        slots = rounds._fields.slot_mapping[: len(rounds._step.requests) * 6].view(-1, 6) // 16
+        for r, row in zip(rounds._step.requests, slots.tolist()):
+            own = set(ledger.seqs[r.request_id].pages)
+            pages_written.append((set(row) - own) - {llm.runner.graphs.scratch_page})
+        tail(logits)
+
+    rounds._tail = checked_tail
+    assert _run(llm, prompts[:2], params) == plain
+    assert len(pages_written) >= 6 and not any(pages_written)
+    assert rounds.launched >= 3
 
 
 @pytest.mark.parametrize("k", [3, 5])
