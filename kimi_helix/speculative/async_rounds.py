@@ -25,8 +25,8 @@ a round's drafts past `max_tokens` count in the metrics as the synchronous round
 
 Rounds overlap only while the batch is steady: every running request greedy DSpark, past its prompt, with more than
 one token left by `max_tokens`, no request waiting, no logprobs, fixed k, one process, a graph shape for the verify
-step, and block-table room for three rounds past its last token. Anything else first completes the round in flight (`drain`), which leaves the engine exactly as a
-synchronous round would have, and runs synchronously.
+step, and block-table room for three rounds past its last token. Anything else first completes the round in flight
+(`drain`), which leaves the engine exactly as a synchronous round would have, and runs synchronously.
 """
 
 from __future__ import annotations
