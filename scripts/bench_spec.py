@@ -15,10 +15,10 @@ groups of each length, draft rounds of each k) is captured before the clock star
 
 Per case: tokens/s (generated tokens over the wall clock of the timed `generate` calls), the speedup over plain
 decoding at the same batch size, `decode_tokens_per_s` (the tokens after each prompt's first, over the wall clock
-less `first_token_s`, the same calls timed again with one new token each: the decoding phase alone, without the
-prefill that every method pays alike; `decode_speedup` is its ratio to plain's) and tokens per engine step (the
-batch size for plain decoding); for speculative cases tau (tokens per verify round, the bonus token included; None
-when no step had drafts) and acceptance by position, from `LLM.speculative.metrics`; and `identical`, how many
+from the host's read of a call's first token to the call's return, `RequestOutput.metrics`: the decoding phase
+alone, without the prefill that every method pays alike; `first_token_s` is the rest of the wall clock;
+`decode_speedup` is the ratio to plain's) and tokens per engine step (the batch size for plain decoding); for
+speculative cases tau (tokens per verify round, the bonus token included; None when no step had drafts) and acceptance by position, from `LLM.speculative.metrics`; and `identical`, how many
 prompts' outputs equal plain decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager`
 is the same engine with `enforce_eager`. `ms_per_round` is the mean wall time of a decoding round (an engine step
 that verified drafts; for plain decoding a decode step), on the graph path on the GPU: target verify steps and
@@ -161,17 +161,17 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
     if llm.speculative is not None:
         llm.speculative.metrics = SpeculativeMetrics()  # the timed calls only
     first_step = len(llm.metrics)
-    outputs, seconds = [], 0.0
+    outputs, seconds, first_token_s = [], 0.0, 0.0
     for i in range(0, len(prompts), batch):
         sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
         sync()
         seconds += time.perf_counter() - t0
+        first_token_s += min(o.metrics.first_token_time for o in outs) - t0
         outputs += [list(o.token_ids) for o in outs]
     tokens = sum(len(o) for o in outputs)
     steps = llm.metrics[first_step:]
-    first_token_s = time_first_tokens(llm, prompts, batch, sync)
     row = dict(method=method, k=k if spec else 0, batch_size=batch, tokens=tokens, seconds=round(seconds, 4),
                tokens_per_s=round(tokens / seconds, 1), steps=len(steps), tokens_per_step=round(tokens / len(steps), 3),
                first_token_s=round(first_token_s, 4),
@@ -187,21 +187,6 @@ def run_case(model_dir: Path, prompts, method: str, k: int, batch: int, drafter,
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row, outputs
-
-
-def time_first_tokens(llm: LLM, prompts, batch: int, sync) -> float:
-    """Wall seconds of the same `generate` calls cut to one new token each: the prefill and first token that
-    every method pays alike, which `decode_tokens_per_s` leaves out (warmed up: the prefill shapes are the timed
-    pass's)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    seconds = 0.0
-    for i in range(0, len(prompts), batch):
-        sync()
-        t0 = time.perf_counter()
-        llm.generate(prompts[i : i + batch], params, use_tqdm=False)
-        sync()
-        seconds += time.perf_counter() - t0
-    return seconds
 
 
 def ms_per_round(steps, speculative: bool) -> float | None:

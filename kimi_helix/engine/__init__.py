@@ -4,12 +4,14 @@ from .cache import PagedCache, PageLedger
 from .llm import LLM, RequestOutput, StepMetrics
 from .planner import MemoryPlan, plan_memory
 from .sampling import SamplingParams
+from .scheduler import RequestMetrics
 
 __all__ = [
     "LLM",
     "MemoryPlan",
     "PageLedger",
     "PagedCache",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "StepMetrics",

@@ -31,7 +31,7 @@ from .cuda_graph import StepGraphs
 from .planner import verify_graph_tokens
 from .runner import ModelRunner
 from .sampling import Logprob, SamplingParams, logprobs_of, make_generator, sample
-from .scheduler import Request, Scheduler
+from .scheduler import Request, RequestMetrics, Scheduler
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
@@ -49,6 +49,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token; entry 0 is None, entry j holds prompt token j
     # given the tokens before it.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics | None = None  # arrival, first token and finish times
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -529,8 +530,11 @@ class LLM:
 
     def _finish_if_done(self, request: Request, upto: int) -> bool:
         """Finish `request` if its first `upto` output tokens end it (EOS, a stop token or string, max_tokens);
-        the tokens after them, placeholders of steps in flight, are dropped then. Returns whether it finished."""
-        token, params = request.output_ids[upto - 1], request.params
+        the tokens after them, placeholders of steps in flight, are dropped then. Returns whether it finished.
+        Called as the host reads each token, so it also stamps the request's first-token and finish times."""
+        token, params, metrics = request.output_ids[upto - 1], request.params, request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = time.perf_counter()
         reason = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos_ids):
             reason = "stop"
@@ -548,6 +552,7 @@ class LLM:
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         request.text = text or ""
+        metrics.finished_time = time.perf_counter()
         # Zero the state slot on release: the next sequence in it must start from an empty state.
         self.cache.reset_state(self.cache.ledger.seqs[request.request_id].slot)
         self.scheduler.finish(request, reason)
@@ -573,7 +578,8 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
-            r.request_id, r.prompt, r.prompt_ids, r.output_ids, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs
+            r.request_id, r.prompt, r.prompt_ids, r.output_ids, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs,
+            r.metrics,
         )
 
 

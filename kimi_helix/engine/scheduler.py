@@ -20,6 +20,7 @@ never wait for pages; a request that does not fit yet blocks the ones behind it 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +29,17 @@ import torch
 from ..modeling.batch import Phase
 from .cache import PageLedger
 from .sampling import Logprob, SamplingParams
+
+
+@dataclass
+class RequestMetrics:
+    """When a request arrived, when the host read its first generated token, and when it finished (`time.perf_counter`
+    seconds; None until then). `finished_time - first_token_time` is its decoding phase, which the token count
+    less one divides into the time per output token."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass
@@ -45,6 +57,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property
     def prefilling(self) -> bool:

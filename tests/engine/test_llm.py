@@ -94,6 +94,30 @@ def test_stop_token_ids_finish_with_stop():
     assert out.finish_reason == "stop" and out.token_ids == first[: first.index(first[3]) + 1]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_request_metrics_stamp_the_steps_that_read_the_first_and_last_tokens(monkeypatch, overlap):
+    """On a clock that counts engine steps, a request's first-token time is the step whose host read its first
+    token (the prefill's own step, or the next one under asynchronous scheduling) and its finish time the step
+    that read its last."""
+    import time
+
+    llm = LLM(make_model(), async_scheduling=overlap)
+    clock = [0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    step = llm.step
+
+    def counted_step():
+        clock[0] += 1
+        return step()
+
+    monkeypatch.setattr(llm, "step", counted_step)
+    out = llm.generate(prompts([10], seed=4), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    reads = [i + 1 for i, m in enumerate(llm.metrics) if m.generated_tokens]
+    assert out.metrics.arrival_time == 0 and len(out.token_ids) == 5
+    assert (out.metrics.first_token_time, out.metrics.finished_time) == (reads[0], reads[-1])
+    assert reads[0] == (2 if overlap else 1)
+
+
 def test_fp8_latent_cache_logit_error_is_small():
     """Report the fp8 e4m3 KV error against the fp32 cache: relative logit error of one decode step."""
     model = make_model()
