@@ -18,8 +18,9 @@ decoding at the same batch size, `decode_tokens_per_s` (the tokens after each pr
 from the host's read of a call's first token to the call's return, `RequestOutput.metrics`: the decoding phase
 alone, without the prefill that every method pays alike; `first_token_s` is the rest of the wall clock;
 `decode_speedup` is the ratio to plain's) and tokens per engine step (the batch size for plain decoding); for
-speculative cases tau (tokens per verify round, the bonus token included; None when no step had drafts) and acceptance by position, from `LLM.speculative.metrics`; and `identical`, how many
-prompts' outputs equal plain decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager`
+speculative cases tau (tokens per verify round, the bonus token included; None when no step had drafts) and
+acceptance by position, from `LLM.speculative.metrics`; and `identical`, how many prompts' outputs equal plain
+decoding's token for token. `plain` replays CUDA graphs on the GPU, and `plain-eager`
 is the same engine with `enforce_eager`. `ms_per_round` is the mean wall time of a decoding round (an engine step
 that verified drafts; for plain decoding a decode step), on the graph path on the GPU: target verify steps and
 greedy drafting rounds replay CUDA graphs. Rows (with gpu, date and commit) are appended to
