@@ -578,7 +578,14 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
-            r.request_id, r.prompt, r.prompt_ids, r.output_ids, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs,
+            r.request_id,
+            r.prompt,
+            r.prompt_ids,
+            r.output_ids,
+            r.text,
+            r.finish_reason,
+            r.logprobs,
+            r.prompt_logprobs,
             r.metrics,
         )
 
