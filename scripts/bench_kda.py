@@ -15,11 +15,12 @@ with the L2 norm of q and k in the kernel and the final state returned, as the m
 ``fla`` (when importable). ``tflops`` counts the chunked algorithm's matmuls with C = 64 per token and head, dense
 (causal halves included): 2 (3 C K + 2 C V + 3 K V). Rows go to <out>/kda_prefill.jsonl.
 
-Decode: N in {1, 64, 256} sequences, H=32, K=V=128. A step reads and writes every sequence's fp32 state
-[H, K, V] once, 2 N H K V 4 bytes, while q, k, v, the gate and o are a few hundred times smaller; TB/s counts that
-state traffic and ``floor_ms`` is it over a >= 1 GiB device-to-device copy (read + write) timed in the same run.
-States live in a pool with scattered slots updated in place, the gate computed in the kernel from bf16
-pre-activations, as the engine calls it. Rows go to <out>/kda_decode.jsonl.
+Decode: N in {1, 64, 256} sequences, H=32, K=V=128 (`--decode-heads`, `--decode-dim`: the demo model's are 4,
+64). A step reads and writes every sequence's fp32 state [H, K, V] once, 2 N H K V 4 bytes, while q, k, v, the gate
+and o are a few hundred times smaller; TB/s counts that state traffic and ``floor_ms`` is it over a >= 1 GiB
+device-to-device copy (read + write) timed in the same run. States live in a pool with scattered slots updated in
+place, the gate computed in the kernel from bf16 pre-activations, as the engine calls it.
+Rows go to <out>/kda_decode.jsonl.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from kimi_helix.kernels.kda.chunk import chunk_kda_triton  # noqa: E402
 from kimi_helix.kernels.kda.naive import kda_gate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SWEEP = [(bv, nw) for bv in (16, 32, 64) for nw in (2, 4, 8)]  # decode (BV, num_warps)
+SWEEP = [(bv, nw) for bv in (16, 32, 64) for nw in (1, 2, 4, 8)]  # decode (BV, num_warps)
 
 
 def prefill_flops(T: int, H: int, K: int, V: int, C: int = 64) -> float:
@@ -179,7 +180,8 @@ def run_prefill(args, device, meta) -> list[dict]:
 
 def run_decode(args, device, meta) -> list[dict]:
     smoke_cases = [(1, 2, 16, 1), (3, 2, 16, 2)]
-    cases = smoke_cases if args.smoke else [(n, 32, 128, t) for t in args.tokens for n in args.ns]
+    heads, dim = args.decode_heads, args.decode_dim
+    cases = smoke_cases if args.smoke else [(n, heads, dim, t) for t in args.tokens for n in args.ns]
     copy = copy_tbps(device, gib=1 / 1024 if args.smoke else 2)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     with JsonlWriter(args.out / "kda_decode.jsonl") as out:
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--ns", nargs="+", type=int, default=[1, 64, 256], help="decode sequence counts")
     p.add_argument("--tokens", nargs="+", type=int, default=[1], help="decode tokens per sequence (1 = decode)")
     p.add_argument("--sweep", action="store_true", help="decode: also time every (BV, num_warps) in SWEEP")
+    p.add_argument("--decode-heads", type=int, default=32, help="decode: KDA heads (the demo model has 4)")
+    p.add_argument("--decode-dim", type=int, default=128, help="decode: K = V per head (the demo model's: 64)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = run_metadata()

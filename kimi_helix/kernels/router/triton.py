@@ -28,21 +28,24 @@ __all__ = ["CAPS", "moe_router_triton"]
 CAPS = OpCaps(triton_devices(), FLOATS)
 # up to this many tokens (and a hidden size whose power-of-two cover fits one program) the logits kernel runs
 LOGITS_KERNEL_MAX_TOKENS, LOGITS_KERNEL_MAX_HIDDEN = 8, 8192
+TILE_ELEMENTS = 2048  # x elements the logits kernel reduces at once: 16 fp32 registers a thread at 4 warps
 
 
 @triton.jit
 def router_logits_kernel(x_ptr, w_ptr, logits_ptr, T, d, stride_xt, stride_xd, stride_we, stride_wd, stride_lt,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """logits[t, e] = x[t] . weight[e] in fp32 for t < T <= BLOCK_T: program e holds weight row e in registers."""
+                         BLOCK_T: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """logits[t, e] = x[t] . weight[e] in fp32 for t < T <= BLOCK_T: program e holds weight row e in registers and
+    reduces ROWS tokens at once (one cross-warp reduction for all of them, where a row at a time waits on each)."""
     e = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     in_d = offs < d
     w = tl.load(w_ptr + e * stride_we + offs * stride_wd, mask=in_d, other=0.0).to(tl.float32)
-    for i in tl.static_range(BLOCK_T):  # unrolled, so no token's load waits for another's sum
+    rows = tl.arange(0, ROWS)
+    for i in tl.static_range(0, BLOCK_T, ROWS):
         # rows past T redo row T - 1 and store the same value again: no masks, no branches
-        t = tl.minimum(tl.full([], i, tl.int64), T - 1)
-        x = tl.load(x_ptr + t * stride_xt + offs * stride_xd, mask=in_d, other=0.0).to(tl.float32)
-        tl.store(logits_ptr + t * stride_lt + e, tl.sum(x * w, axis=0))
+        t = tl.minimum(i + rows, T - 1).to(tl.int64)
+        x = tl.load(x_ptr + t[:, None] * stride_xt + offs[None, :] * stride_xd, mask=in_d[None, :], other=0.0)
+        tl.store(logits_ptr + t * stride_lt + e, tl.sum(x.to(tl.float32) * w[None, :], axis=1))
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -51,9 +54,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if T > LOGITS_KERNEL_MAX_TOKENS or next_pow2(d) > LOGITS_KERNEL_MAX_HIDDEN:
         return F.linear(x.float(), weight.float())
     logits = torch.empty(T, weight.shape[0], dtype=torch.float32, device=x.device)
+    block_t, block_d = next_pow2(T), next_pow2(d)
     router_logits_kernel[(weight.shape[0],)](
         x, weight, logits, T, d, *x.stride(), *weight.stride(), logits.stride(0),
-        BLOCK_T=next_pow2(T), BLOCK_D=next_pow2(d), num_warps=4,
+        BLOCK_T=block_t, ROWS=min(block_t, max(1, TILE_ELEMENTS // block_d)), BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return logits
 
