@@ -3,7 +3,11 @@
 # limit so one slow step cannot eat the call. Logs and JSONL land in $OUT (default ./out). One mode fits one
 # 10-minute device call: `tests kda` in one, `mla` in the next.
 #
-#   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|tune|ncu|all [pytest args...]
+#   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|spec|tune|ncu|all [pytest args...]
+#
+# `spec` times speculative decoding on the demo model at batch 1 (plain against DSpark k = 5 and 7, three runs
+# each), profiles a round (scripts/profile_round.py), sweeps the KDA decode and verify kernel at the demo's shapes,
+# then runs the `gpu`-marked tests of the round's code (spec.jsonl, kda_decode.jsonl and logs in $OUT).
 #
 # `tune` sweeps the KDA prefill's launch tables at T=8192, H=64 (scripts/tune_kda_prefill.py), for the given
 # decay and for the bounded (K3) gate; `ncu` profiles the KDA prefill and MLA decode kernels with Nsight Compute
@@ -15,8 +19,8 @@ set -uo pipefail
 mode="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$mode" in
-    tests | kda | mla | tune | ncu | all) ;;
-    *) echo "gpu_check.sh: unknown mode '$mode' (allowed: tests, kda, mla, tune, ncu, all)" >&2; exit 2 ;;
+    tests | kda | mla | spec | tune | ncu | all) ;;
+    *) echo "gpu_check.sh: unknown mode '$mode' (allowed: tests, kda, mla, spec, tune, ncu, all)" >&2; exit 2 ;;
 esac
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -40,6 +44,16 @@ fi
 if [ "$mode" = mla ] || [ "$mode" = all ]; then
     step 300 scripts/bench_mla.py --out "$out"
     step 70 scripts/bench_moe.py --out "$out" --tokens 1 16 128 4096
+fi
+if [ "$mode" = spec ]; then
+    step 210 scripts/bench_spec.py --methods plain dspark --k 5 7 --batch-sizes 1 --repeats 3 --out "$out/spec.jsonl"
+    timeout 80 python3 scripts/profile_round.py > "$out/profile.log" 2>&1
+    echo "profile_round rc=$?" | tee -a "$log"
+    step 100 scripts/bench_kda.py --phase decode --sweep --ns 1 --tokens 1 6 --decode-heads 4 --decode-dim 64 \
+        --out "$out"
+    timeout 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/speculative tests/engine/test_cuda_graph.py \
+        tests/kernels/conv tests/kernels/norm tests/kernels/router > "$out/gpu_check.log" 2>&1
+    echo "pytest rc=$?" | tee -a "$out/gpu_check.log"
 fi
 if [ "$mode" = tune ]; then
     # the given decay's tables first (the per-half and block kernels take the chunks too wide for the chunk-wide
