@@ -6,7 +6,7 @@
 #   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|spec|tune|ncu|all [pytest args...]
 #
 # `spec` times speculative decoding on the demo model at batch 1 (plain against DSpark k = 5 and 7, three runs
-# each), profiles a round (scripts/profile_round.py), sweeps the KDA decode and verify kernel at the demo's shapes,
+# each), profiles a round (scripts/profile_round.py, also with the KDA recurrent kernel at one warp), sweeps the KDA decode and verify kernel at the demo's shapes,
 # then runs the `gpu`-marked tests of the round's code (spec.jsonl, kda_decode.jsonl and logs in $OUT).
 #
 # `tune` sweeps the KDA prefill's launch tables at T=8192, H=64 (scripts/tune_kda_prefill.py), for the given
@@ -49,6 +49,8 @@ if [ "$mode" = spec ]; then
     step 210 scripts/bench_spec.py --methods plain dspark --k 5 7 --batch-sizes 1 --repeats 3 --out "$out/spec.jsonl"
     timeout 80 python3 scripts/profile_round.py > "$out/profile.log" 2>&1
     echo "profile_round rc=$?" | tee -a "$log"
+    timeout 60 python3 scripts/profile_round.py --kda-warps 1 > "$out/profile_kda_warps1.log" 2>&1
+    echo "profile_round --kda-warps 1 rc=$?" | tee -a "$log"
     step 100 scripts/bench_kda.py --phase decode --sweep --ns 1 --tokens 1 6 --decode-heads 4 --decode-dim 64 \
         --out "$out"
     timeout 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/speculative tests/engine/test_cuda_graph.py \

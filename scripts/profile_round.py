@@ -3,6 +3,7 @@
     python scripts/profile_round.py                      # plain and dspark k=5 on the demo model, batch 1
     python scripts/profile_round.py --methods plain ngram dspark --k 3
     python scripts/profile_round.py --count --device cpu  # launches and syncs per phase (scripts/count_launches.py)
+    python scripts/profile_round.py --kda-warps 1         # with the KDA decode/verify kernel at 1 warp
 
 For each method it builds the engine as `bench_spec.py` does, warms up, then times one prompt's `generate`
 twice: first with wall-clock wrappers around the engine's phases (propose, schedule, runner, observe, verify,
@@ -151,7 +152,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--device", default="cuda")
     p.add_argument("--count", action="store_true", help="count launches and syncs per phase instead (eager)")
+    p.add_argument("--kda-warps", type=int, choices=(1, 2, 4, 8), help="force the KDA decode/verify kernel's warps")
     args = p.parse_args(argv)
+    if args.kda_warps is not None:
+        from kimi_helix.kernels.kda import fused_recurrent
+
+        chosen = fused_recurrent._config
+        fused_recurrent._config = lambda *shape: (chosen(*shape)[0], args.kda_warps, chosen(*shape)[2])
     if args.count:
         import count_launches
 
