@@ -6,8 +6,9 @@
 #   KIMI_HELIX_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh tests|kda|mla|spec|tune|ncu|all [pytest args...]
 #
 # `spec` times speculative decoding on the demo model at batch 1 (plain against DSpark k = 5 and 7, three runs
-# each), profiles a round (scripts/profile_round.py, also with the KDA recurrent kernel at one warp), sweeps the KDA decode and verify kernel at the demo's shapes,
-# then runs the `gpu`-marked tests of the round's code (spec.jsonl, kda_decode.jsonl and logs in $OUT).
+# each), profiles a round (scripts/profile_round.py, also with the KDA recurrent kernel at one warp), sweeps the
+# KDA decode and verify kernel at the demo's shapes, then runs the `gpu`-marked tests of the round's code
+# (spec.jsonl, kda_decode.jsonl and logs in $OUT).
 #
 # `tune` sweeps the KDA prefill's launch tables at T=8192, H=64 (scripts/tune_kda_prefill.py), for the given
 # decay and for the bounded (K3) gate; `ncu` profiles the KDA prefill and MLA decode kernels with Nsight Compute
