@@ -128,7 +128,7 @@ def forced_config(config: tuple[int, int] | None):
     tokens loaded at a time, BT, stay its choice)."""
     chosen = fr._config
     if config is not None:
-        fr._config = lambda N, H, V, tokens: (*config, chosen(N, H, V, tokens)[2])
+        fr._config = lambda N, H, K, V, tokens: (*config, chosen(N, H, K, V, tokens)[2])
     try:
         yield
     finally:
@@ -155,7 +155,7 @@ def decode_case(n: int, h: int, d: int, t: int, dtype, device) -> dict:
         )  # fmt: skip
 
     ms = bench_ms(step, device)
-    bv, num_warps, bt = fr._config(n, h, d, t)
+    bv, num_warps, bt = fr._config(n, h, d, d, t)
     return dict(
         phase="decode", n=n, h=h, k=d, v=d, t=t, dtype=str(dtype).removeprefix("torch."), bv=bv,
         num_warps=num_warps, bt=bt, ms=ms, tbps=2 * n * h * d * d * 4 / ms / 1e9,

@@ -144,19 +144,23 @@ def fused_recurrent_kda_fwd_kernel(
 _BLOCK_T = 8
 
 
-def _config(N: int, H: int, V: int, tokens_per_seq: int) -> tuple[int, int, int]:
+def _config(N: int, H: int, K: int, V: int, tokens_per_seq: int) -> tuple[int, int, int]:
     """(BV, num_warps, BT). A [K, 32] fp32 tile is 32 registers a thread at 4 warps. With few sequences the kernel
     is bound by latency: BV drops to 16 so that more programs, hence more state loads, are in flight, and a
     sequence's tokens are loaded BT at a time (up to 8, the power of two at or above its mean tokens) so that a
-    verify group's loads overlap. With many programs BT stays 1: picking a token out of a block (a reduction over
-    the block's rows each) then costs more than the loads' latency, which other programs hide (docs/benchmarks.md,
-    KDA decode; `scripts/bench_kda.py --phase decode --sweep` times the alternatives)."""
+    verify group's loads overlap. There a state tile of at most 32 registers a thread at one warp (K <= 64) takes
+    one warp: every reduction over K or over the block's tokens stays within the warp (shuffles, no shared-memory
+    round trips; `scripts/profile_round.py --kda-warps` compares a round's kernels). With many programs BT stays
+    1: picking a token out of a block (a reduction over the block's rows each) then costs more than the loads'
+    latency, which other programs hide (docs/benchmarks.md, KDA decode; `scripts/bench_kda.py --phase decode
+    --sweep` times the alternatives)."""
     bv = min(next_pow2(V), 32)
-    bt = 1
+    bt, num_warps = 1, 4
     if N * H * cdiv(V, bv) < 1024:
         bv = min(bv, 16)
         bt = min(_BLOCK_T, next_pow2(max(1, tokens_per_seq)))
-    return bv, 4, bt
+        num_warps = 1 if next_pow2(K) * bv <= 32 * 32 else 4
+    return bv, num_warps, bt
 
 
 def _check_inputs(q, k, v, g, beta, cu_seqlens) -> int:
@@ -264,7 +268,7 @@ def fused_recurrent_kda_triton(
         final = initial_state
     elif output_final_state and not return_intermediate_states:
         final = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
-    bv, num_warps, bt = _config(N, H, V, cdiv(B * T, max(N, 1)))
+    bv, num_warps, bt = _config(N, H, K, V, cdiv(B * T, max(N, 1)))
     grid = (N * H * cdiv(V, bv),)
     fused_recurrent_kda_fwd_kernel[grid](
         q_, k_, v_, g_, b_, o, initial_state, final, states, cu_seqlens, state_indices, A_log, dt_bias,

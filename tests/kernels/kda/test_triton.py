@@ -411,7 +411,7 @@ def test_recurrent_block_sizes_agree(monkeypatch):
     chosen = fused_recurrent._config
     results = []
     for bt in (1, 2, 8):
-        monkeypatch.setattr(fused_recurrent, "_config", lambda N, H, V, tokens, bt=bt: (*chosen(N, H, V, 1)[:2], bt))
+        monkeypatch.setattr(fused_recurrent, "_config", lambda N, H, K, V, _, bt=bt: (*chosen(N, H, K, V, 1)[:2], bt))
         results.append(fused_recurrent_kda_triton(
             q, k, v, f, beta, initial_state=pool.clone(), A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
             use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens(RECURRENT_LENS), return_intermediate_states=True,
