@@ -24,9 +24,10 @@ that round's tokens for it are dropped (its state slot is zeroed and its pages f
 a round's drafts past `max_tokens` count in the metrics as the synchronous round's shorter draft would.
 
 Rounds overlap only while the batch is steady: every running request greedy DSpark, past its prompt, with more than
-one token left by `max_tokens`, no request waiting, no logprobs, fixed k, one process, a graph shape for the verify
-step, and block-table room for three rounds past its last token. Anything else first completes the round in flight
-(`drain`), which leaves the engine exactly as a synchronous round would have, and runs synchronously.
+one token left by `max_tokens` (1 + k to enter), no request waiting, no logprobs, fixed k, one process, a graph shape
+for the verify step, and block-table room for three rounds past its last token. Anything else first completes the
+round in flight (`drain`), which leaves the engine exactly as a synchronous round would have, and runs
+synchronously.
 """
 
 from __future__ import annotations
@@ -115,8 +116,11 @@ class AsyncRounds:
                 return False
             if params.logprobs is not None or params.prompt_logprobs is not None:
                 return False
-            # One token left: the round in flight (or a plain step) ends the request, a round more would be wasted.
-            if params.max_tokens - len(r.output_ids) < 2 or len(r.token_ids) + 3 * self.group > room:
+            # An entering round is staged on the host, within the reservation: 1 + k tokens must be left. Later
+            # rounds run until one token is left (the round in flight, or a plain step, ends the request then).
+            if params.max_tokens - len(r.output_ids) < (2 if flight is not None else self.group):
+                return False
+            if len(r.token_ids) + 3 * self.group > room:
                 return False
             if flight is None and proposer.context_len(r.request_id) != len(r.token_ids) - 1:
                 return False

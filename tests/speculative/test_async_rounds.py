@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from kimi_helix import KimiK3Config, KimiK3ForCausalLM
 from kimi_helix.assets import demo_model_dir
 from kimi_helix.engine import LLM, SamplingParams, cache
 from kimi_helix.engine.cuda_graph import StepGraphs
@@ -25,6 +26,10 @@ from kimi_helix.kernels.state_restore import restore_verified_states
 from kimi_helix.modeling.batch import Phase
 from kimi_helix.speculative import async_rounds
 from kimi_helix.speculative.async_rounds import AsyncRounds
+from kimi_helix.speculative.dspark import DSparkDrafter
+
+from ..modeling.conftest import randomize_router_bias, tiny_kwargs
+from .conftest import tiny_drafter_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from demo_prompts import corpus_prompts  # noqa: E402
@@ -119,6 +124,33 @@ def test_drafts_past_a_reservation_leave_other_pages_alone(prompts):
     assert _run(llm, prompts[:2], params) == plain
     assert len(pages_written) >= 6 and not any(pages_written)
     assert rounds.launched >= 3
+
+
+def test_a_batch_that_changes_near_max_tokens_runs_its_last_rounds_synchronously(tmp_path):
+    """A random drafter on a random model: requests end at different rounds, and each end changes the batch; the
+    rest re-enter with few tokens left, where an entering round (staged on the host) may not write past a
+    request's reservation, so they finish synchronously, with plain greedy's tokens."""
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(KimiK3Config(**tiny_kwargs())).eval()
+    randomize_router_bias(model)
+    cfg = model.config
+    drafter = tiny_drafter_config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, mask_token_id=cfg.vocab_size - 1, block_size=5
+    )
+    DSparkDrafter(drafter).save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (7, 100, 1, 65)]
+    # about a token a round: when request 0 ends, the others have three or four tokens left
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (24, 28, 28, 28)]
+    plain = _run(LLM(model, page_size=16), prompts, params)
+    spec = {"method": "dspark", "model": str(tmp_path), "num_speculative_tokens": 5}
+    llm = LLM(model, page_size=16, speculative_config=spec, async_scheduling=True)
+    llm.runner.graphs = StepGraphs(llm.runner, use_graphs=False, max_draft_tokens=5)
+    scheduled = []
+    schedule = llm.scheduler.schedule
+    llm.scheduler.schedule = lambda: scheduled.append(step := schedule()) or step
+    assert _run(llm, prompts, params) == plain
+    assert llm.async_rounds.launched >= 10 and Phase.VERIFY in [p for step in scheduled for p in step.phases]
 
 
 @pytest.mark.parametrize("k", [3, 5])
