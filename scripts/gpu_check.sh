@@ -7,7 +7,7 @@
 #
 # `spec` times speculative decoding on the demo model at batch 1 (plain against DSpark k = 5 and 7, three runs
 # each), profiles a round (scripts/profile_round.py, also with the KDA recurrent kernel at four warps), then runs the
-# `gpu`-marked tests of the round's code (spec.jsonl and logs in $OUT); about 400 s with a cold Triton cache.
+# `gpu`-marked tests of the round's code (spec.jsonl and logs in $OUT); it fits one call with a cold Triton cache.
 #
 # `tune` sweeps the KDA prefill's launch tables at T=8192, H=64 (scripts/tune_kda_prefill.py), for the given
 # decay and for the bounded (K3) gate; `ncu` profiles the KDA prefill and MLA decode kernels with Nsight Compute
@@ -51,7 +51,7 @@ if [ "$mode" = spec ]; then
     echo "profile_round rc=$?" | tee -a "$log"
     timeout 60 python3 scripts/profile_round.py --kda-warps 4 > "$out/profile_kda_warps4.log" 2>&1
     echo "profile_round --kda-warps 4 rc=$?" | tee -a "$log"
-    # the round's gpu tests take about 230 s on an H100, most of it compiling
+    # most of the tests' time is compiling (docs/benchmarks.md, "GPU parity")
     timeout 270 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/speculative tests/engine/test_cuda_graph.py \
         tests/kernels/router tests/kernels/conv tests/kernels/norm > "$out/gpu_check.log" 2>&1
     echo "pytest rc=$?" | tee -a "$out/gpu_check.log"
