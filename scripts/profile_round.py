@@ -8,8 +8,9 @@
 For each method it builds the engine as `bench_spec.py` does, warms up, then times one prompt's `generate`
 twice: first with wall-clock wrappers around the engine's phases (propose, schedule, runner, observe, verify,
 sample, accept, rollback; inclusive times, no device syncs added), then under `torch.profiler` for the GPU
-kernels. It prints ms per step type (prefill, decode, round), the phases' host ms per round, and the kernels of
-most GPU time per round. Nothing is written to benchmarks/results: this is a diagnosis, not a result.
+kernels. It prints ms per step type (prefill, decode, round), the phases' host ms per round, the kernels of most
+GPU time and the profiled host ops of most own CPU time, per round. Nothing is written to benchmarks/results: this
+is a diagnosis, not a result.
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ def gpu_kernels(llm: LLM, prompts, params, sync, per: int, what: str, top: int) 
     print(f"GPU per {what}: {gpu_us / per:.1f} us busy, {launches / per:.1f} kernels; top kernels:")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"  {e.self_device_time_total / per:8.1f} us {e.count / per:6.1f}x  {e.key[:90]}")
+    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    print(f"host per {what}: {sum(e.self_cpu_time_total for e in host) / per:.1f} us in profiled ops; top ops:")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"  {e.self_cpu_time_total / per:8.1f} us {e.count / per:6.1f}x  {e.key[:90]}")
 
 
 def main(argv=None) -> int:
