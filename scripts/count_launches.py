@@ -242,7 +242,7 @@ def count(llm, prompt, max_tokens: int, ops: int = 0) -> None:
     for label in sorted(set(counts.launches) | set(counts.syncs)):
         per = 1 if label == "prefill" else rounds
         print(f"  {label:<14}{counts.launches[label] / per:9.1f} launches {counts.syncs[label] / per:7.2f} syncs")
-        if ops and label != "prefill":
+        if ops:
             top = counts.ops[label].most_common(ops)
             print("      " + ", ".join(f"{name} {n / per:.1f}" for name, n in top))
     for label, sites in sorted(counts.sites.items()):

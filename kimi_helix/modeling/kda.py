@@ -139,13 +139,14 @@ class KimiDeltaAttention(nn.Module):
         if run.decode_path and not record and all(n == 1 for n in run.batch.seq_lens):
             qkv = causal_conv1d_update(
                 qkv, conv_state, self.conv_weights(), state_indices=slots, backend=self.backends.kernels
-            )
-        else:
+            ).chunk(3, dim=-1)
+        else:  # q, k and v each contiguous: the chunked kernels would copy strided ones
             qkv = causal_conv1d(
                 [z[None] for z in qkv], self.conv_weights(), conv_state, True, cu, state_indices=slots,
-                record_into=(conv_before, inputs) if record else None, backend=self.backends.kernels,
-            )[0][0]  # fmt: skip
-        q, k_, v = (z.reshape(1, t, h, k) for z in qkv.chunk(3, dim=-1))
+                record_into=(conv_before, inputs) if record else None, split_output=True,
+                backend=self.backends.kernels,
+            )[0]  # fmt: skip
+        q, k_, v = (z.reshape(1, t, h, k) for z in qkv)
         core = fused_recurrent_kda if run.decode_path else chunk_kda
         gate = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.gate_lower_bound)
         states_out = None if scratch is None else scratch.states

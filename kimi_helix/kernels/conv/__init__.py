@@ -27,18 +27,21 @@ def causal_conv1d(
     state_indices=None,
     *,
     record_into=None,
+    split_output=False,
     backend=None,
 ):
     """Causal depthwise conv + activation over x [B, T, D] or its channel groups (varlen with cu_seqlens); see
     `naive.causal_conv1d`. record_into: (conv_before [N, W-1, D], inputs [B*T, D]) buffers that also receive each
-    sequence's state before the call and the raw inputs (a verify step's rollback records)."""
+    sequence's state before the call and the raw inputs (a verify step's rollback records). split_output: y as one
+    contiguous [B, T, D/S] tensor per channel group."""
     if op_backend("causal_conv1d", _first(x), forced=backend) == "triton":
         from kimi_helix.kernels.conv.triton import causal_conv1d_triton as fn
     else:
         fn = naive.causal_conv1d
     return fn(
-        x, weight, initial_state, output_final_state, cu_seqlens, activation, state_indices, record_into=record_into
-    )
+        x, weight, initial_state, output_final_state, cu_seqlens, activation, state_indices,
+        record_into=record_into, split_output=split_output,
+    )  # fmt: skip
 
 
 def causal_conv1d_update(x, conv_state, weight, activation="silu", state_indices=None, *, backend=None):

@@ -98,7 +98,8 @@ def causal_conv1d(
     state_indices: torch.Tensor | None = None,
     *,
     record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    split_output: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | None]:
     """Causal depthwise conv (no bias) followed by an optional SiLU.
 
     ``y[t] = act(sum_{j<W} weight[:, j] * x[t - (W - 1) + j])``, with inputs before a sequence start taken from
@@ -122,11 +123,15 @@ def causal_conv1d(
             step keeps to roll its state back): ``conv_before[n]`` the state sequence n read (its pool slot's rows)
             as it was before the call, ``inputs`` the raw inputs of every token (the channel groups concatenated),
             each cast to its buffer's dtype. Needs ``initial_state`` and ``output_final_state``.
+        split_output: return y as its channel groups, one contiguous ``[B, T, D / S]`` tensor per group of ``x``
+            (for consumers that need each group contiguous, e.g. the chunked KDA kernels' q, k and v).
 
     Returns:
-        ``(y [B, T, D] in x.dtype, final_state [N, W - 1, D] in x.dtype or None)``. The final state holds the last
-        ``W - 1`` inputs of each sequence, topped up from the initial state (or zeros) for short sequences.
+        ``(y [B, T, D] in x.dtype, final_state [N, W - 1, D] in x.dtype or None)``; with ``split_output`` y is the
+        tuple of its channel groups. The final state holds the last ``W - 1`` inputs of each sequence, topped up
+        from the initial state (or zeros) for short sequences.
     """
+    groups = len(channel_groups(x, weight)[0])
     x, weight = join_channels(x, weight)
     if x.dim() != 3:
         raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
@@ -157,6 +162,8 @@ def causal_conv1d(
             final_list.append(xs[:, xs.shape[1] - (W - 1) :])
         y, finals = torch.cat(ys, dim=1), torch.cat(final_list, dim=0)
     y = _activate(y, activation).to(x.dtype)
+    if split_output:
+        y = tuple(part.contiguous() for part in y.chunk(groups, dim=-1))
     if not output_final_state:
         return y, None
     if state_indices is not None and pool is not None:

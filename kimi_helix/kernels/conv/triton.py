@@ -57,6 +57,7 @@ def causal_conv1d_fwd_kernel(
     stride_x1,
     stride_x2,
     stride_y,
+    stride_y_group,
     stride_h0_n,
     stride_h0_w,
     stride_xr,
@@ -114,7 +115,7 @@ def causal_conv1d_fwd_kernel(
         acc += b_x * b_w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    p_y = y + o_t[:, None] * stride_y + o_c[None, :]
+    p_y = y + i_s * stride_y_group + o_t[:, None] * stride_y + o_d[None, :]
     tl.store(p_y, acc.to(y.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
 
@@ -269,7 +270,8 @@ def causal_conv1d_triton(
     state_indices: torch.Tensor | None = None,
     *,
     record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    split_output: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor | None]:
     """Causal depthwise conv (no bias) with an optional fused SiLU; the contract of ``conv.naive.causal_conv1d``.
 
     ``y[t] = act(sum_{j<W} weight[:, j] * x[t - (W - 1) + j])`` with inputs before a sequence start taken from its
@@ -292,9 +294,12 @@ def causal_conv1d_triton(
             was before the call (written by the final-state kernel before it overwrites the slot), ``inputs`` the
             raw inputs of every token, the groups concatenated (stored by the conv kernel from the load of each
             token's own tap). Needs ``initial_state`` and ``output_final_state``.
+        split_output: return y as its channel groups, one contiguous ``[B, T, D / S]`` tensor per group (the
+            kernel writes them as planes of one ``[S, B, T, D / S]`` buffer: no copy).
 
     Returns:
-        ``(y [B, T, D] in x.dtype, final_state)``: ``[N, W - 1, D]`` in x.dtype, the pool, or None.
+        ``(y [B, T, D] in x.dtype, or its groups with split_output, final_state)``: ``[N, W - 1, D]`` in x.dtype,
+        the pool, or None.
     """
     xs, ws, W = _channel_groups(x, weight, "[B, T, D]")
     x = x if isinstance(x, torch.Tensor) else x[0]
@@ -317,13 +322,18 @@ def causal_conv1d_triton(
             raise ValueError("record_into's inputs must be contiguous along D")
 
     x3, w3, strides = _padded(xs, ws)
-    y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+    if split_output:  # plane g holds group g's channels, token-major
+        planes = torch.empty(len(xs), B, T, P, dtype=x.dtype, device=x.device)
+        y, y_strides = planes, (P, B * T * P)
+    else:
+        y = torch.empty(B, T, D, dtype=x.dtype, device=x.device)
+        y_strides = (D, P)
     h0_strides = (initial_state.stride(0), initial_state.stride(1)) if initial_state is not None else (0, 0)
     bt, bd = (16, 32) if interpreting() else (32, 128)
     if B * T > 0:
         grid = (cdiv(B * T, bt), len(xs), cdiv(P, bd))
         causal_conv1d_fwd_kernel[grid](
-            *x3, *w3, y, initial_state, inputs, cu_seqlens, state_indices, *strides, D, *h0_strides,
+            *x3, *w3, y, initial_state, inputs, cu_seqlens, state_indices, *strides, *y_strides, *h0_strides,
             0 if inputs is None else inputs.stride(0), B * T, T, N, P,
             W=W, BT=bt, BD=bd, LOG_N=N.bit_length() if cu_seqlens is not None else 0,
             IS_VARLEN=cu_seqlens is not None,
@@ -333,6 +343,8 @@ def causal_conv1d_triton(
             RECORD=record_into is not None,
             num_warps=4,
         )  # fmt: skip
+    if split_output:
+        y = tuple(planes.unbind(0))
     if not output_final_state:
         return y, None
     final = initial_state if state_indices is not None else torch.empty(N, W - 1, D, dtype=x.dtype, device=x.device)

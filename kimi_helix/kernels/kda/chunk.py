@@ -31,7 +31,7 @@ from itertools import pairwise
 import torch
 
 from kimi_helix.kernels.backends import FLOATS, OpCaps
-from kimi_helix.kernels.common import check_device, check_shape, check_triton_device, segment_bounds
+from kimi_helix.kernels.common import check_device, check_index, check_triton_device, segment_bounds
 from kimi_helix.kernels.device import num_sms, side_stream, triton_devices
 from kimi_helix.kernels.kda.chunk_h import kda_chunk_state_kernel
 from kimi_helix.kernels.kda.chunk_intra import kda_chunk_gate_kernel, kda_chunk_intra_kernel
@@ -232,9 +232,8 @@ def chunk_kda_triton(
     cu, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T, chunk_size, q.device)
     N, NT = cu.numel() - 1, chunk_indices.shape[0]
     initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
-    if state_indices is not None:
-        check_shape("state_indices", state_indices, (N,), "[N]")
-        state_indices = state_indices.to(q.device, torch.int32)
+    if state_indices is not None:  # int64 as the engine keeps them: the kernel widens int32 itself
+        check_index("state_indices", state_indices, N, q.device)
 
     if use_beta_sigmoid_in_kernel:
         beta = beta.float().sigmoid()

@@ -133,6 +133,34 @@ def test_prefill_channel_groups_equal_concatenation(pooled):
         assert torch.equal(pool[[4, 6]], before[[4, 6]])
 
 
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "records"])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_split_output_equals_the_concatenated_output(groups, record):
+    """split_output: one contiguous [B, T, P] tensor per channel group (planes of a NaN-filled buffer, so a plane
+    left unwritten or written at a wrong offset fails), each equal to its channels of the concatenated output; the
+    final states and records are unchanged; the reference splits the same way."""
+    B, T, N = 1, sum(LENS), len(LENS)
+    wide = rnd(B, T, 3, D + 8, seed=60)
+    xs, ws = [wide[:, :, i, :D] for i in range(groups)], [rnd(D, W, seed=61 + i) for i in range(groups)]
+    slots = torch.tensor([7, 0, 3, 5, 1, 2], device=DEVICE)
+    state = rnd(8, W - 1, groups * D, seed=64)
+    outs = []
+    for fn, split in ((causal_conv1d_triton, True), (causal_conv1d_triton, False), (causal_conv1d, True)):
+        records = (_nans(N, W - 1, groups * D, dtype=torch.float32), _nans(B * T, groups * D, dtype=torch.float32))
+        y, final = fn(xs, ws, state.clone(), True, cu(LENS), state_indices=slots,
+                      record_into=records if record else None, split_output=split)  # fmt: skip
+        outs.append((y, final, *records))
+    (parts, final, *recs), (y, final_cat, *recs_cat), (parts_ref, _, *_) = outs
+    assert isinstance(parts, tuple) and len(parts) == len(parts_ref) == groups
+    for i, (part, part_ref) in enumerate(zip(parts, parts_ref)):
+        assert part.shape == (B, T, D) and part.is_contiguous() and part_ref.is_contiguous()
+        assert torch.equal(part, y[..., i * D : (i + 1) * D])
+        assert_rel_close(f"group {i}", part, part_ref, 1e-5)
+    assert torch.equal(final, final_cat)
+    if record:
+        assert all(torch.equal(a, b) for a, b in zip(recs, recs_cat))
+
+
 def _nans(*shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
