@@ -20,7 +20,8 @@ Otherwise four launches; the grids are sized by a bound, so the call can be capt
 2. `moe_gate_up_kernel`: per (block, tile of I): gather the block's rows of x, multiply by the gate and the up
    weights of the block's expert in the same program and write silu(gate) * up once, at width I.
 3. `moe_down_kernel`: per (block, tile of d): intermediate @ down^T times the routing weight, written per pair.
-4. A torch sum over the SLOTS pairs of each token, in fixed order: deterministic, where atomics would not be.
+4. `moe_sum_slots_kernel`: per (token, tile of d), the sum of the token's SLOTS pair outputs and the residual
+   in fp32, in fixed order: deterministic, where atomics would not be.
 
 Decode is bound by reading the touched experts' weights: small BLOCK_M and narrow N tiles give every weight tile
 its own program, read once. Prefill uses 64/128-row tensor-core tiles.
@@ -74,6 +75,10 @@ class MoeConfig:
     num_stages: int = 3
     sort_pairs: bool = True
     combine_in_down: bool = True
+
+
+# The sorted path's slot sum loads [slots, tile of d] per program: at most this many elements (registers).
+SUM_TILE_ELEMENTS = 4096
 
 
 def default_config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -294,6 +299,22 @@ def moe_down_kernel(
 
 
 @triton.jit
+def moe_sum_slots_kernel(pair_ptr, residual_ptr, out_ptr, hidden, stride_rt, stride_ot, SLOTS: tl.constexpr,
+                         BLOCK_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """out[t] = sum over token t's SLOTS rows of the sorted path's pair outputs [T * SLOTS, hidden] (+ residual[t]),
+    in fp32 with one rounding: the combine that the unsorted path does inside its down kernel."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slots = tl.arange(0, BLOCK_SLOTS)
+    mask = (slots[:, None] < SLOTS) & (offs_n[None, :] < hidden)
+    tile = tl.load(pair_ptr + (t * SLOTS + slots)[:, None] * hidden + offs_n[None, :], mask=mask, other=0.0)
+    acc = tl.sum(tile.to(tl.float32), axis=0)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + t * stride_rt + offs_n, mask=offs_n < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < hidden)
+
+
+@triton.jit
 def moe_combine_down_kernel(
     inter_ptr, w_ptr, sd_ptr, routing_ptr, residual_ptr, out_ptr, ids_ptr,
     hidden, inter_size, shared_size, stride_it, stride_we, stride_wn, stride_wk, stride_sdn, stride_sdk, stride_ot,
@@ -410,8 +431,8 @@ def fused_experts_triton(
 
     `out[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) + shared(x[t])` with
     `e = ids[t, j]`, plus `residual[t]` when given; fp32 accumulation. The intermediate silu(gate) * up is rounded
-    to x.dtype; unsorted (decode) the weighted sum over slots (and the residual) stays in fp32 until the one
-    rounding of the output, sorted each (token, slot) contribution is rounded to x.dtype before the fp32 sum.
+    to x.dtype; the weighted sum over slots and the residual are added in fp32 and rounded once, after each
+    (token, slot) contribution is rounded to x.dtype when sorted (prefill: `moe_sum_slots_kernel` sums them).
 
     Args:
         x: [T, d], fp32/fp16/bf16.
@@ -477,6 +498,9 @@ def fused_experts_triton(
         inter.stride(0), *down_proj.stride(), *down.stride(), pair_out.stride(0), SORTED=cfg.sort_pairs, **sort_args,
         **down_args,
     )  # fmt: skip
-    if residual is None:
-        return torch.sum(pair_out.view(T, slots, d), dim=1, out=out)
-    return torch.add(residual, pair_out.view(T, slots, d).sum(dim=1), out=out)
+    block_n = min(next_pow2(d), max(16, SUM_TILE_ELEMENTS // next_pow2(slots)))
+    moe_sum_slots_kernel[(T, cdiv(d, block_n))](
+        pair_out, out if residual is None else residual, out, d, 0 if residual is None else residual.stride(0),
+        out.stride(0), SLOTS=slots, BLOCK_SLOTS=next_pow2(slots), BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
+    )  # fmt: skip
+    return out

@@ -78,6 +78,22 @@ def test_residual_joins_the_sum(T, dtype):
     assert_rel_close("reference", ref, exact, TOL[dtype])
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_slot_sum_tiles(monkeypatch, residual):
+    # the sorted path's slot sum over several ragged column tiles (d = 44 in tiles of 16), with the shared slices
+    # as extra slots and a strided residual: every column of every token summed once, in fp32 with one rounding
+    monkeypatch.setattr(moe_triton, "SUM_TILE_ELEMENTS", 64)
+    d = 44
+    gate_up, down = make_experts(6, d, 40, torch.float16, seed=84)
+    shared = make_shared(d, 60, torch.float16, seed=85)
+    x, weights, ids = make_tokens(9, d, 6, 3, torch.float16, seed=86)
+    res = torch.randn(9, 2 * d, dtype=torch.float16, generator=torch.Generator().manual_seed(87)).to(x.device)[:, :d]
+    config = dataclasses.replace(default_config(64, 6), sort_pairs=True)
+    y = run_triton(x, gate_up, down, weights, ids, config=config, shared=shared, residual=res if residual else None)
+    exact = truth(x, gate_up, down, weights, ids, shared) + (res.double() if residual else 0)
+    assert_rel_close("triton", y, exact, TOL[torch.float16])
+
+
 @pytest.mark.parametrize(
     "d, block_k_gate_up, block_n, block_k",
     [(20, 16, 1, 16), (44, 32, 4, 64), (44, 32, 8, 32)],
