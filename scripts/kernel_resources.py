@@ -98,7 +98,7 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int, overrides: 
 def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
     """(name, fn, constexprs, warps, stages, overrides, maxnreg) of the KDA prefill kernels as chunk_kda launches
     them for bf16 inputs, one sequence, the L2 norm in the kernel and the gate given."""
-    common = dict(H=H, K=K, BT=64, USE_QK_L2NORM=True, DOT_PRECISION="tf32")
+    common = dict(H=H, K=K, BT=64, USE_QK_L2NORM=True, DOT_PRECISION="tf32", BETA_LOGITS=True)
     intra = dict(common, BC=16)
     I, B, W, S, O = chunk.INTRA, chunk.BLOCKS, chunk.WY, chunk.STATE, chunk.OUTPUT  # noqa: E741
     BV = chunk.state_block(1, H, V, None)
@@ -113,7 +113,8 @@ def kda_cases(H: int, K: int = 128, V: int = 128) -> list[tuple]:
          chunk.HALVES["num_warps"], chunk.HALVES["num_stages"], chunk.HALVES["maxnreg"]),
         ("kda intra, blocks", kda_chunk_intra_blocks_kernel, dict(intra, BKS=B["BKS"]),
          B["num_warps"], B["num_stages"], B["maxnreg"]),
-        ("kda wy", kda_chunk_wy_kernel, dict(H=H, K=K, V=V, BT=64, BS=W["BS"], DOT_PRECISION="tf32", SPLIT=W["split"]),
+        ("kda wy", kda_chunk_wy_kernel, dict(H=H, K=K, V=V, BT=64, BS=W["BS"], DOT_PRECISION="tf32", SPLIT=W["split"],
+                                          BETA_LOGITS=True),
          W["num_warps"], W["num_stages"], W["maxnreg"]),
         (f"kda state (BV={BV}{', with o' if S['output'] else ''})", kda_chunk_state_kernel,
          dict(H=H, K=K, V=V, BT=64, BK=K, BV=BV, USE_INITIAL_STATE=False, STORE_FINAL_STATE=True,

@@ -137,8 +137,10 @@ def _check_args(q, k, v, g, beta, chunk_size, A_log, dt_bias, lower_bound) -> tu
     return B, T, H, K, V
 
 
-def _chunk_local_stages(q, k, v, g, beta, gate, buffers, cu, chunk_indices, scale, use_qk_l2norm, dot_prec):
-    """Stages 1-4 over every chunk (gate, intra, WY): fill `buffers`' G, route, Aqk, Ai, rnorm, qg, kd, kg, w, u."""
+def _chunk_local_stages(q, k, v, g, beta, gate, buffers, cu, chunk_indices, scale, use_qk_l2norm, dot_prec,
+                        beta_logits):  # fmt: skip
+    """Stages 1-4 over every chunk (gate, intra, WY): fill `buffers`' G, route, Aqk, Ai, rnorm, qg, kd, kg, w, u.
+    beta [B, T, H] may have strided tokens; with `beta_logits` the kernels take its sigmoid."""
     _, _, H, K = q.shape
     V, NT, chunk_size = v.shape[-1], chunk_indices.shape[0], buffers["Aqk"].shape[-1]
     A_log, dt_bias, lower_bound = gate
@@ -152,8 +154,9 @@ def _chunk_local_stages(q, k, v, g, beta, gate, buffers, cu, chunk_indices, scal
         H=H, K=K, BT=chunk_size, BK=_fit(GATE["BK"], K), GATE_IN_KERNEL=A_log is not None,
         USE_LOWER_BOUND=lower_bound is not None, WIDE=intra["wide"], HALVES=halves, num_warps=GATE["num_warps"],
     )  # fmt: skip
-    common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_prec)
-    args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale)
+    common = dict(H=H, K=K, BT=chunk_size, BC=_BC, USE_QK_L2NORM=use_qk_l2norm, DOT_PRECISION=dot_prec,
+                  BETA_LOGITS=beta_logits)  # fmt: skip
+    args = (q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, route, cu, chunk_indices, scale, beta.stride(1))
 
     def launch(kernel, cfg):
         kernel[(NT, H)](*args, **common, BKS=_fit(cfg["BKS"], K), num_warps=cfg["num_warps"],
@@ -178,8 +181,8 @@ def _chunk_local_stages(q, k, v, g, beta, gate, buffers, cu, chunk_indices, scal
     BS = _fit(WY["BS"], max(K, V))
     slices = cdiv(K, BS) + cdiv(V, BS) if WY["split"] else 1
     kda_chunk_wy_kernel[(NT, H, slices)](
-        kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices,
-        H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PRECISION=dot_prec,
+        kd, v, beta, Ai, rnorm, w, u, cu, chunk_indices, beta.stride(1),
+        H=H, K=K, V=V, BT=chunk_size, BS=BS, DOT_PRECISION=dot_prec, BETA_LOGITS=beta_logits,
         SPLIT=WY["split"], num_warps=WY["num_warps"], num_stages=WY["num_stages"], maxnreg=WY["maxnreg"],
     )  # fmt: skip
 
@@ -221,8 +224,8 @@ def chunk_kda_triton(
         state_indices: ``[N]`` int pool slot of each sequence (distinct slots); needs ``initial_state``.
         A_log: ``H`` elements; dt_bias: ``H * K`` elements; lower_bound: negative float for the bounded gate.
         chunk_size: 64 (default), 32 or 16.
-        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits). Its fp32 sigmoid is taken once here,
-            as the intra and WY kernels both read beta (one small elementwise kernel per prefill).
+        use_beta_sigmoid_in_kernel: ``beta`` is the pre-activation (logits); the kernels that read it take its
+            fp32 sigmoid. beta may be a strided view along T (a column slice of the projections): no copy.
 
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state)``: final_state is ``[N, H, K, V]`` fp32, the pool with
@@ -235,9 +238,9 @@ def chunk_kda_triton(
     if state_indices is not None:  # int64 as the engine keeps them: the kernel widens int32 itself
         check_index("state_indices", state_indices, N, q.device)
 
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.float().sigmoid()
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+    if beta.stride(2) != 1 or (B > 1 and beta.stride(0) != T * beta.stride(1)):  # tokens are beta.stride(1) apart
+        beta = beta.contiguous()
     scale = K**-0.5 if scale is None else scale
     BK = max(16, next_pow2(K))
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -264,7 +267,19 @@ def chunk_kda_triton(
     if NT:
         gate = (A_log, dt_bias, lower_bound)
         _chunk_local_stages(
-            q, k, v, g, beta, gate, buffers, cu, chunk_indices, scale, use_qk_l2norm_in_kernel, dot_prec
+            q,
+            k,
+            v,
+            g,
+            beta,
+            gate,
+            buffers,
+            cu,
+            chunk_indices,
+            scale,
+            use_qk_l2norm_in_kernel,
+            dot_prec,
+            use_beta_sigmoid_in_kernel,
         )
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(cdiv(V, BV), N * H)](

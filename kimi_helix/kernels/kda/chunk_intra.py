@@ -36,13 +36,14 @@ ROUTE_BLOCKS = tl.constexpr(2)
 
 
 @triton.jit
-def at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens, chunk_indices, i_c, i_h, H: tl.constexpr,
-             K: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+def at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens, chunk_indices, i_c, i_h, stride_bt,
+             H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):  # fmt: skip
     """The valid rows T of chunk i_c, and the intra kernels' pointers moved to its first token and to head i_h, so
-    row indices are chunk-relative and offsets small: (T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg)."""
+    row indices are chunk-relative and offsets small: (T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg). beta's rows
+    are stride_bt apart (a column slice of the projections), the others' dense."""
     t0, T = chunk_span(cu_seqlens, chunk_indices, i_c, BT)
     HK = H * K
-    return (T, q + t0 * HK + i_h * K, k + t0 * HK + i_h * K, G + t0 * HK + i_h * K, beta + t0 * H + i_h,
+    return (T, q + t0 * HK + i_h * K, k + t0 * HK + i_h * K, G + t0 * HK + i_h * K, beta + t0 * stride_bt + i_h,
             Aqk + t0 * (H * BT) + i_h * BT, Ai + t0 * (H * BT) + i_h * BT, rnorm + t0 * (2 * H) + 2 * i_h,
             qg + t0 * HK + i_h * K, kd + t0 * HK + i_h * K, kg + t0 * HK + i_h * K)  # fmt: skip
 
@@ -157,12 +158,21 @@ def _spreads(G, b_G, c, T, stride, K: tl.constexpr, BT: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def row_factors(sq, sk, beta, rnorm, r0, T, scale, H: tl.constexpr, BR: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
+def load_beta(beta, rows, mask, stride_bt, BETA_LOGITS: tl.constexpr):
+    """beta of the given rows in fp32 (0 where masked): the sigmoid of the logits with BETA_LOGITS."""
+    b_b = tl.load(beta + rows * stride_bt, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, tl.sigmoid(b_b), 0.0) if BETA_LOGITS else b_b
+
+
+@triton.jit
+def row_factors(sq, sk, beta, rnorm, r0, T, stride_bt, scale, H: tl.constexpr, BR: tl.constexpr,
+                USE_QK_L2NORM: tl.constexpr, BETA_LOGITS: tl.constexpr):  # fmt: skip
     """(scale/|q|, 1/|k|, beta) of rows r0 .. r0+BR of a chunk, from the rows' sums of squares (1/|.| = 1 without
-    USE_QK_L2NORM); the first two are also stored to rnorm [T, H, 2] for the WY kernel and the state pass."""
+    USE_QK_L2NORM); the first two are also stored to rnorm [T, H, 2] for the WY kernel and the state pass. beta
+    is the sigmoid of the loaded logits with BETA_LOGITS."""
     rows = r0 + tl.arange(0, BR)
     m = rows < T
-    b_b = tl.load(beta + rows * H, mask=m, other=0.0).to(tl.float32)
+    b_b = load_beta(beta, rows, m, stride_bt, BETA_LOGITS)
     rq = tl.full([BR], 1.0, tl.float32) * scale
     rk = tl.full([BR], 1.0, tl.float32)
     if USE_QK_L2NORM:
@@ -314,6 +324,7 @@ def kda_chunk_intra_kernel(
     cu_seqlens,
     chunk_indices,
     scale,
+    stride_bt,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -321,6 +332,7 @@ def kda_chunk_intra_kernel(
     BKS: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BETA_LOGITS: tl.constexpr,
 ):
     """A_qk (without its 1/|k_j| column factor) and (I + A_kk)^-1 of one chunk and head, factored around the
     chunk's mid decay, with the norms and beta applied to the dot results; the decayed q and k; for the chunks
@@ -329,7 +341,7 @@ def kda_chunk_intra_kernel(
     if tl.load(route + i_c * H + i_h) != ROUTE_WIDE:
         return
     T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens,
-                                                            chunk_indices, i_c, i_h, H, K, BT)  # fmt: skip
+                                                            chunk_indices, i_c, i_h, stride_bt, H, K, BT)  # fmt: skip
     HK = H * K
     S = H * BT
     o_t = tl.arange(0, BT)
@@ -353,7 +365,7 @@ def kda_chunk_intra_kernel(
         store_decayed(b_q, b_k, b_g, b_last, qg, kd, kg, 0, c, T, K, BT, BKS, H)
         sq += tl.sum(b_q * b_q, axis=1)
         sk += tl.sum(b_k * b_k, axis=1)
-    rq, rk, b_b = row_factors(sq, sk, beta, rnorm, 0, T, scale, H, BT, USE_QK_L2NORM)
+    rq, rk, b_b = row_factors(sq, sk, beta, rnorm, 0, T, stride_bt, scale, H, BT, USE_QK_L2NORM, BETA_LOGITS)
     offs = o_t[:, None] * S + o_t[None, :]
     A_qk = tl.where(o_t[:, None] >= o_t[None, :], A_qk * rq[:, None], 0.0)
     A_kk = tl.where(o_t[:, None] > o_t[None, :], A_kk * (rk * b_b)[:, None] * rk[None, :], 0.0)

@@ -140,6 +140,7 @@ def kda_chunk_intra_blocks_kernel(
     cu_seqlens,
     chunk_indices,
     scale,
+    stride_bt,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -147,6 +148,7 @@ def kda_chunk_intra_blocks_kernel(
     BKS: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BETA_LOGITS: tl.constexpr,
 ):
     """A_qk and (I + A_kk)^-1 of one chunk and head (BT <= 4 * BC rows), for the chunks routed here
     (ROUTE_BLOCKS)."""
@@ -154,7 +156,7 @@ def kda_chunk_intra_blocks_kernel(
     if tl.load(route + i_c * H + i_h) != ROUTE_BLOCKS:
         return
     T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens,
-                                                            chunk_indices, i_c, i_h, H, K, BT)  # fmt: skip
+                                                            chunk_indices, i_c, i_h, stride_bt, H, K, BT)  # fmt: skip
     S = H * BT
     r1, r2, r3 = BC, 2 * BC, 3 * BC
     Z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -198,18 +200,18 @@ def kda_chunk_intra_blocks_kernel(
             sk3 += tl.sum(k3 * k3, axis=1)
 
     zero_above_diagonal(Aqk, T, S, BT, BC)
-    rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, scale, H, BC, USE_QK_L2NORM)
+    rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, stride_bt, scale, H, BC, USE_QK_L2NORM, BETA_LOGITS)
     Ai00 = _finish_diag(q, k, G, Aqk, D0q, D0k, sp0, 0, rq0, rk0, b0, T, H, K, BT, BC, BKS)
     store_tile(Ai, Ai00, 0, 0, T, BT, S, BC, BC)
     if BT > BC:
-        rq1, rk1, b1 = row_factors(sq1, sk1, beta, rnorm, r1, T, scale, H, BC, USE_QK_L2NORM)
+        rq1, rk1, b1 = row_factors(sq1, sk1, beta, rnorm, r1, T, stride_bt, scale, H, BC, USE_QK_L2NORM, BETA_LOGITS)
         Ai11 = _finish_diag(q, k, G, Aqk, D1q, D1k, sp1, r1, rq1, rk1, b1, T, H, K, BT, BC, BKS)
         A10 = _finish_pair(Aqk, A10q, A10k, r1, 0, rq1, rk1, b1, rk0, T, H, BT, BC)
         Ai10 = merge_row1(Ai00, Ai11, A10, DOT_PRECISION)
         store_tile(Ai, Ai11, r1, r1, T, BT, S, BC, BC)
         store_tile(Ai, Ai10, r1, 0, T, BT, S, BC, BC)
     if BT > 2 * BC:
-        rq2, rk2, b2 = row_factors(sq2, sk2, beta, rnorm, r2, T, scale, H, BC, USE_QK_L2NORM)
+        rq2, rk2, b2 = row_factors(sq2, sk2, beta, rnorm, r2, T, stride_bt, scale, H, BC, USE_QK_L2NORM, BETA_LOGITS)
         Ai22 = _finish_diag(q, k, G, Aqk, D2q, D2k, sp2, r2, rq2, rk2, b2, T, H, K, BT, BC, BKS)
         A20 = _finish_pair(Aqk, A20q, A20k, r2, 0, rq2, rk2, b2, rk0, T, H, BT, BC)
         A21 = _finish_pair(Aqk, A21q, A21k, r2, r1, rq2, rk2, b2, rk1, T, H, BT, BC)
@@ -218,7 +220,7 @@ def kda_chunk_intra_blocks_kernel(
         store_tile(Ai, Ai21, r2, r1, T, BT, S, BC, BC)
         store_tile(Ai, Ai20, r2, 0, T, BT, S, BC, BC)
 
-        rq3, rk3, b3 = row_factors(sq3, sk3, beta, rnorm, r3, T, scale, H, BC, USE_QK_L2NORM)
+        rq3, rk3, b3 = row_factors(sq3, sk3, beta, rnorm, r3, T, stride_bt, scale, H, BC, USE_QK_L2NORM, BETA_LOGITS)
         Ai33 = _finish_diag(q, k, G, Aqk, D3q, D3k, sp3, r3, rq3, rk3, b3, T, H, K, BT, BC, BKS)
         A30 = _finish_pair(Aqk, A30q, A30k, r3, 0, rq3, rk3, b3, rk0, T, H, BT, BC)
         A31 = _finish_pair(Aqk, A31q, A31k, r3, r1, rq3, rk3, b3, rk1, T, H, BT, BC)

@@ -52,6 +52,7 @@ def kda_chunk_intra_halves_kernel(
     cu_seqlens,
     chunk_indices,
     scale,
+    stride_bt,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -59,6 +60,7 @@ def kda_chunk_intra_halves_kernel(
     BKS: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BETA_LOGITS: tl.constexpr,
 ):
     """A_qk (without its 1/|k_j| column factor), (I + A_kk)^-1 and the decayed q and k of one chunk and head
     (BT >= 32), for the chunks routed here (ROUTE_HALVES)."""
@@ -66,7 +68,7 @@ def kda_chunk_intra_halves_kernel(
     if tl.load(route + i_c * H + i_h) != ROUTE_HALVES:
         return
     T, q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg = at_chunk(q, k, G, beta, Aqk, Ai, rnorm, qg, kd, kg, cu_seqlens,
-                                                            chunk_indices, i_c, i_h, H, K, BT)  # fmt: skip
+                                                            chunk_indices, i_c, i_h, stride_bt, H, K, BT)  # fmt: skip
     HK = H * K
     HALF: tl.constexpr = BT // 2
     o_h = tl.arange(0, HALF)
@@ -105,8 +107,8 @@ def kda_chunk_intra_halves_kernel(
         sk0 += tl.sum(k0 * k0, axis=1)
         sq1 += tl.sum(q1 * q1, axis=1)
         sk1 += tl.sum(k1 * k1, axis=1)
-    rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, scale, H, HALF, USE_QK_L2NORM)
-    rq1, rk1, b1 = row_factors(sq1, sk1, beta, rnorm, HALF, T, scale, H, HALF, USE_QK_L2NORM)
+    rq0, rk0, b0 = row_factors(sq0, sk0, beta, rnorm, 0, T, stride_bt, scale, H, HALF, USE_QK_L2NORM, BETA_LOGITS)
+    rq1, rk1, b1 = row_factors(sq1, sk1, beta, rnorm, HALF, T, stride_bt, scale, H, HALF, USE_QK_L2NORM, BETA_LOGITS)
     on, below = o_h[:, None] >= o_h[None, :], o_h[:, None] > o_h[None, :]
     S = H * BT
     A00q = tl.where(on, A00q * rq0[:, None], 0.0)

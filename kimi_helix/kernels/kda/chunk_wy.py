@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kimi_helix.kernels.kda.chunk_intra import store_tile
+from kimi_helix.kernels.kda.chunk_intra import load_beta, store_tile
 from kimi_helix.kernels.sequences import chunk_span
 
 
@@ -39,9 +39,9 @@ def _wy_slice(x, b_A, b_b, rk, y, c, T, H: tl.constexpr, D: tl.constexpr, BT: tl
 
 
 @triton.jit
-def kda_chunk_wy_kernel(kd, v, beta, Ai, rnorm, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
-                        V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        SPLIT: tl.constexpr):  # fmt: skip
+def kda_chunk_wy_kernel(kd, v, beta, Ai, rnorm, w, u, cu_seqlens, chunk_indices, stride_bt, H: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, BETA_LOGITS: tl.constexpr):  # fmt: skip
     """w and u of one chunk and head: all column slices in one program, or with SPLIT one slice per program (grid
     axis 2: the cdiv(K, BS) slices of w, then the cdiv(V, BS) of u)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -51,14 +51,14 @@ def kda_chunk_wy_kernel(kd, v, beta, Ai, rnorm, w, u, cu_seqlens, chunk_indices,
     w += t0 * (H * K) + i_h * K
     v += t0 * (H * V) + i_h * V
     u += t0 * (H * V) + i_h * V
-    beta += t0 * H + i_h
+    beta += t0 * stride_bt + i_h
     Ai += t0 * (H * BT) + i_h * BT
     rnorm += t0 * (2 * H) + 2 * i_h
     o_t = tl.arange(0, BT)
     m_t = o_t < T
     m_A = m_t[:, None] & (o_t[:, None] >= o_t[None, :])
     b_Ai = tl.load(Ai + o_t[:, None] * (H * BT) + o_t[None, :], mask=m_A, other=0.0)
-    b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_b = load_beta(beta, o_t, m_t, stride_bt, BETA_LOGITS)
     rk = tl.load(rnorm + o_t * (2 * H) + 1, mask=m_t, other=0.0)
     b_Aw = (b_Ai * (b_b * rk)[None, :]).to(w.dtype.element_ty)
     b_Au = b_Ai.to(w.dtype.element_ty)

@@ -216,6 +216,29 @@ def test_beta_logits(fn, dtype):
     assert_rel_close("final_state", s, s_ref, 1e-5 if dtype == torch.float32 else TOL[dtype])
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+@pytest.mark.usefixtures("intra_path")
+def test_strided_beta_logits(varlen):
+    """beta's logits as a column slice of a wider projection (token stride 3H, as the model passes them), over
+    several chunks and sequences and every intra path: read in place, the sigmoid taken by the intra and WY
+    kernels, the same as the contiguous sigmoid of the same logits. Masked rows past a chunk's end stay zero."""
+    B, T = (1, 150) if varlen else (2, 75)
+    q, k, v, f, _, s0, A_log, dt_bias = make_chunk_inputs(B, T, seed=19, raw_gate=True)
+    wide = torch.randn(B, T, 3 * H, generator=torch.Generator().manual_seed(20)) * 3.0
+    logits = wide.to(DEVICE)[..., H : 2 * H]
+    assert logits.stride(1) == 3 * H
+    lens = [70, 1, 79]
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              initial_state=s0[:1].expand(3, -1, -1, -1).contiguous() if varlen else s0,
+              cu_seqlens=cu_seqlens(lens) if varlen else None)  # fmt: skip
+    o, s = chunk_kda_triton(q, k, v, f, logits, use_beta_sigmoid_in_kernel=True, **kw)
+    o_dense, s_dense = chunk_kda_triton(q, k, v, f, torch.sigmoid(logits.float()), **kw)
+    assert_rel_close("o", o, o_dense, 1e-5)
+    assert_rel_close("final_state", s, s_dense, 1e-5)
+    o_ref, s_ref = naive_chunk_kda(q, k, v, f, torch.sigmoid(logits.float()), **kw)
+    assert_rel_close("o against the reference", o, o_ref, 1e-4)
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.usefixtures("intra_path")
 def test_strong_gates_stay_finite(chunk_size):
