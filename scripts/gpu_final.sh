@@ -4,7 +4,8 @@
 #   2. the 27-layer e2e grid with transformers' KimiLinear, most important cases first, --budget-s 205;
 #   3. the speculative benchmark (plain and DSpark, k = 5 and 7, batch 1);
 #   4. fp8 against bf16 MLA decode (b = 1 and 128, 16 heads, 8k keys);
-#   5. the GPU tests in two groups (the Markov and draft attention kernels and speculative decoding first, then the engine);
+#   5. the GPU tests in two groups (the prefill's conv, MoE and KDA kernels first, then speculative decoding and the
+#      engine's CUDA graphs);
 #   6. a summary.
 # Every step runs under `timeout` (pytest under SIGINT, so that it still prints its summary) and writes under $OUT
 # as it goes, so a step cut short keeps what it finished. Files back (the tool returns at most 8): run.log,
@@ -34,9 +35,10 @@ step e2e 235 python3 scripts/bench_e2e.py --budget-s 205 --out "$OUT/e2e.jsonl"
 step spec 95 python3 scripts/bench_spec.py --methods plain dspark --k 5 7 --batch-sizes 1 --out "$OUT/spec.jsonl"
 step mla-fp8 40 python3 scripts/bench_mla.py --b 1 128 --h 16 --s-q 1 --s-k 8192 --kv bf16 fp8 \
   --backends triton --out "$OUT"
-step tests-markov-speculative 80 timeout -s INT 75 \
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kernels/markov tests/kernels/draft_attention tests/speculative
-step tests-engine 65 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/engine
+step tests-prefill-kernels 80 timeout -s INT 75 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  tests/kernels/conv tests/kernels/moe tests/kernels/kda/test_gpu.py
+step tests-speculative-engine 65 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  tests/speculative tests/engine/test_cuda_graph.py
 
 {
   echo "--- e2e rows (phase batch context mode ms_per_step pct_of_floor speedup_vs_hf skipped/failed)"
