@@ -235,7 +235,7 @@ def chunk_kda_triton(
     cu, chunk_indices, chunk_offsets = _chunk_layout(cu_seqlens, B, T, chunk_size, q.device)
     N, NT = cu.numel() - 1, chunk_indices.shape[0]
     initial_state = check_state(initial_state, state_indices, N, H, K, V, q.device)
-    if state_indices is not None:  # int64 as the engine keeps them: the kernel widens int32 itself
+    if state_indices is not None:  # int32 or int64, read in place (the kernel widens them): no conversion launch
         check_index("state_indices", state_indices, N, q.device)
 
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
@@ -267,20 +267,9 @@ def chunk_kda_triton(
     if NT:
         gate = (A_log, dt_bias, lower_bound)
         _chunk_local_stages(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            gate,
-            buffers,
-            cu,
-            chunk_indices,
-            scale,
-            use_qk_l2norm_in_kernel,
-            dot_prec,
+            q, k, v, g, beta, gate, buffers, cu, chunk_indices, scale, use_qk_l2norm_in_kernel, dot_prec,
             use_beta_sigmoid_in_kernel,
-        )
+        )  # fmt: skip
     BV = state_block(N, H, V, q.device.index)
     kda_chunk_state_kernel[(cdiv(V, BV), N * H)](
         w, u, kg, G, qg, Aqk, rnorm, o, h, v_new, initial_state, final_state, state_indices, cu, chunk_offsets,
