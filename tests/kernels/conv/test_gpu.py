@@ -76,3 +76,25 @@ def test_gpu_verify_channel_groups():
     )
     assert_rel_close("y", y, y_ref, TOL[torch.bfloat16])
     assert torch.equal(pool[idx], s_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_split_output():
+    """A prefill's conv as the KDA layer runs it: q, k, v as strided channel groups in, each group's output as its
+    own contiguous plane out (NaN-filled), equal to the concatenated output's channels bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    P, slots, lens = 4096, 16, [1, 2, 300, 1000]
+    idx = torch.randperm(slots, device=DEVICE)[: len(lens)]
+    wide = rnd(1, sum(lens), 3, P + 64, seed=37, dtype=torch.bfloat16)
+    xs = [wide[:, :, i, :P] for i in range(3)]
+    ws = [rnd(P, W, seed=38 + i, dtype=torch.bfloat16) for i in range(3)]
+    pool = rnd(slots, W - 1, 3 * P, seed=41, dtype=torch.bfloat16)
+    kw = dict(output_final_state=True, cu_seqlens=cu(lens), state_indices=idx)
+    parts, final = causal_conv1d_triton(xs, ws, initial_state=pool.clone(), split_output=True, **kw)
+    y, final_cat = causal_conv1d_triton(xs, ws, initial_state=pool.clone(), **kw)
+    y_ref, _ = causal_conv1d(torch.cat(xs, -1), torch.cat(ws), initial_state=pool[idx], **{**kw, "state_indices": None})
+    for i, part in enumerate(parts):
+        assert part.is_contiguous() and torch.equal(part, y[..., i * P : (i + 1) * P])
+    assert torch.equal(final, final_cat)
+    assert_rel_close("y", torch.cat(parts, -1), y_ref, TOL[torch.bfloat16])

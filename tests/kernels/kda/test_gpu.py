@@ -50,6 +50,29 @@ def test_gpu_bf16_real_shapes(gate_in_kernel, lower_bound):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("intra_path")
+def test_gpu_bf16_strided_beta_logits():
+    """The prefill as the KDA layer runs it: beta's bf16 logits a column slice of the projections (token stride
+    3H), read in place with the sigmoid in the intra and WY kernels, the gate in the kernel, varlen."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lens = [1000, 1, 64, 983]
+    (q, k, v, f, _), A_log, dt_bias, s0, g = _real_inputs(sum(lens), seed=4)
+    Hr = q.shape[2]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    wide = (torch.randn(1, sum(lens), 3 * Hr, generator=gen, device="cuda") * 3.0).bfloat16()
+    logits = wide[..., Hr : 2 * Hr]
+    cu = cu_seqlens(lens)
+    kw = dict(initial_state=s0.expand(len(lens), -1, -1, -1).contiguous(), output_final_state=True,
+              use_qk_l2norm_in_kernel=True, cu_seqlens=cu)  # fmt: skip
+    o, s = chunk_kda_triton(q, k, v, f, logits, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, **kw)
+    beta = torch.sigmoid(logits.float())
+    o_r, s_r = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta, **kw)
+    assert_rel_close("o", o, o_r, TOL[torch.bfloat16])
+    assert_rel_close("final_state", s, s_r, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("intra_path")
 def test_gpu_bf16_varlen_pool():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
