@@ -578,16 +578,9 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         return RequestOutput(
-            r.request_id,
-            r.prompt,
-            r.prompt_ids,
-            r.output_ids,
-            r.text,
-            r.finish_reason,
-            r.logprobs,
-            r.prompt_logprobs,
+            r.request_id, r.prompt, r.prompt_ids, r.output_ids, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs,
             r.metrics,
-        )
+        )  # fmt: skip
 
 
 def _load_model(model, dtype, device: torch.device, device_map):

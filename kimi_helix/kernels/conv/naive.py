@@ -131,7 +131,7 @@ def causal_conv1d(
         tuple of its channel groups. The final state holds the last ``W - 1`` inputs of each sequence, topped up
         from the initial state (or zeros) for short sequences.
     """
-    groups = len(channel_groups(x, weight)[0])
+    groups = 1 if isinstance(x, torch.Tensor) else len(x)  # join_channels checks them
     x, weight = join_channels(x, weight)
     if x.dim() != 3:
         raise ValueError(f"x must have shape [B, T, D], got {list(x.shape)}")
