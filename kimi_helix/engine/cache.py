@@ -382,12 +382,15 @@ class CacheView:
         )
 
     def prefill_context(self, run) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a prefill `run` (`PhaseRun`) of this view's pass: (slots [sum totals] int32, the flat slot of every
-        token of its sequences, cached and new; cu_totals [n+1] int32), on the device. Built on the host from the
-        ledger's page lists and moved in one copy, once per run: every MLA layer of the pass shares them (no
-        device-side index arithmetic, no read-back)."""
+        """For a prefill `run` (`PhaseRun`) of this view's pass: (slots [sum totals] int32 or int64, the flat slot
+        of every token of its sequences, cached and new; cu_totals [n+1] int32), on the device. Built on the host
+        from the ledger's page lists and moved in one copy, once per run: every MLA layer of the pass shares them
+        (no device-side index arithmetic, no read-back). A run without cached context has only its new tokens,
+        whose slots the runner's buffers hold already: those are used, so a captured prefill reads them too."""
         if self._context is not None and self._context[0] is run.batch:
             return self._context[1]
+        if self.given and not any(run.batch.context_lens):  # a fresh prompt's context is its new tokens
+            return self.slot_mapping[run.tokens], run.batch.cu_seqlens
         ledger, ps = self.cache.ledger, self.cache.ledger.page_size
         seq_ids = self.seq_ids[run.seqs]
         slots = [

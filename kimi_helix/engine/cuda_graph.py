@@ -5,7 +5,13 @@ than its GPU time. `StepGraphs` captures `ModelRunner.forward` once per (phase, 
 replays it: one launch for the whole step.
 
 - Uniform steps only: every sequence DECODE (1 token), or every sequence VERIFY with the same 1 + k tokens
-  (k <= `max_draft_tokens`). Mixed steps and prefill chunks run eagerly.
+  (k <= `max_draft_tokens`), or one request's whole fresh prompt wanting only its last row's logits (a prefill,
+  up to the largest prefill bucket). Mixed steps, batched or chunked prefills and longer prompts run eagerly.
+- Prefill buckets: a prompt of T tokens replays the graph of the smallest bucket >= T, its rows past T padding
+  (`runner.PrefillPadding`, staged as a second sequence on the scratch page and slot). The layers see one
+  sequence of all the rows: attention is causal, so the live rows never see the padding, and the KDA layers keep
+  it out of the live sequence's states (`modeling.batch.TailPadding`). The host-built launch layouts of the
+  prefill kernels (`kernels.layouts`) are held by the graph that reads them.
 - Batch buckets: a step of n sequences replays the graph of the smallest bucket >= n; graphs are captured on
   first use (one memory pool is shared and replays never overlap).
 - Static inputs: the graph reads the runner's staging buffer (`runner.StepBuffers`: ids, positions, cu_seqlens,
@@ -33,15 +39,16 @@ from typing import NamedTuple
 
 import torch
 
-from ..modeling.batch import ForwardBatch, Phase
+from ..kernels.layouts import retained
+from ..modeling.batch import ForwardBatch, Phase, TailPadding
 from .cache import CacheView
 from .planner import verify_graph_tokens
-from .runner import ModelRunner, Padding, RunnerOutput, StepInputs
+from .runner import ModelRunner, Padding, PrefillPadding, RunnerOutput, StepInputs
 from .scheduler import ScheduledStep
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCRATCH_SEQ_ID", "GraphKey", "StepGraphs", "default_buckets"]
+__all__ = ["SCRATCH_SEQ_ID", "GraphKey", "StepGraphs", "default_buckets", "default_prefill_buckets"]
 
 # The ledger entry of the graphs' scratch sequence (request ids are >= 0; profiling steps use small negative ids).
 SCRATCH_SEQ_ID = -(1 << 62)
@@ -55,8 +62,15 @@ def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return (*capped, max_num_seqs)
 
 
+def default_prefill_buckets(max_num_tokens: int) -> tuple[int, ...]:
+    """Padded lengths of the graphed prefills: powers of two from 16 to 512 tokens, within the step's budget.
+    Longer prompts run eagerly, where the launches cost little next to the work."""
+    return tuple(s for s in (16, 32, 64, 128, 256, 512) if s <= max_num_tokens)
+
+
 class GraphKey(NamedTuple):
-    """One captured step shape: its phase, the bucket (sequences) and the new tokens per sequence."""
+    """One captured step shape: its phase, the bucket (sequences) and the new tokens per sequence (a prefill: one
+    sequence, padded to that many rows)."""
 
     phase: Phase
     batch: int
@@ -68,6 +82,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: run eagerly from the static buffers (`use_graphs=False`)
     logits: torch.Tensor  # [batch * tokens_per_seq, V] fp32, the graph's output buffer
     view: CacheView | None = None  # the view captured with: what its KDA layers recorded for verify rollback
+    layouts: list | None = None  # the host-built launch layouts the graph reads (`kernels.layouts`), kept alive
 
 
 class StepGraphs:
@@ -83,6 +98,9 @@ class StepGraphs:
         verify_tokens: tokens of KDA verify scratch; verify steps of buckets whose batch x (1 + max_draft_tokens)
             tokens do not fit run eagerly. None: `planner.verify_graph_tokens` of the runner's sizes (the engine
             passes the count its memory plan priced).
+        prefill_buckets: padded lengths of the graphed prefills (None: `default_prefill_buckets`; () graphs
+            none). A step that is one request's whole fresh prompt, wanting only its last row's logits, replays the
+            smallest that holds it.
 
     Reserves a scratch sequence in the runner's ledger (one state slot, one page): the engine sizes its ledger
     one slot and one page above what requests may use. The verify scratch is allocated at the first verify step.
@@ -95,6 +113,7 @@ class StepGraphs:
         max_draft_tokens: int = 8,
         use_graphs: bool = True,
         verify_tokens: int | None = None,
+        prefill_buckets: tuple[int, ...] | None = None,
     ):
         if use_graphs and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
@@ -114,6 +133,10 @@ class StepGraphs:
             verify_tokens = verify_graph_tokens(self.max_seqs, self.max_tokens, max_draft_tokens)
         fits = [s for s in self.buckets if s * (max_draft_tokens + 1) <= verify_tokens]
         self.max_verify_seqs = max(fits, default=0) if max_draft_tokens else 0  # the largest verify-graph bucket
+        if prefill_buckets is None:
+            prefill_buckets = default_prefill_buckets(self.max_tokens)
+        self.prefill_buckets = tuple(sorted(s for s in prefill_buckets if s <= self.max_tokens))
+        self._spans: dict[int, torch.Tensor] = {}  # [0, rows] int32 on the device: a padded prefill's cu_seqlens
         scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1, map_now=True)
         self.scratch_page, self.scratch_slot = scratch.pages[0], scratch.slot
         runner.cache.reset_state(scratch.slot)
@@ -131,8 +154,10 @@ class StepGraphs:
         groups of unequal or too many drafts, more sequences or tokens than the largest bucket, a verify step
         beyond the verify scratch)."""
         phase = step.phases[0] if step.phases else Phase.PREFILL
-        if phase is Phase.PREFILL or any(p is not phase for p in step.phases):
+        if any(p is not phase for p in step.phases):
             return None
+        if phase is Phase.PREFILL:
+            return self._prefill_key(step)
         q = len(step.token_ids[0])
         if any(len(t) != q for t in step.token_ids) or q > self.max_draft_tokens + 1:
             return None
@@ -142,6 +167,17 @@ class StepGraphs:
         if phase is Phase.VERIFY and self.buckets[i] > self.max_verify_seqs:
             return None
         return GraphKey(phase, self.buckets[i], q)
+
+    def _prefill_key(self, step: ScheduledStep) -> GraphKey | None:
+        """A prefill's graph: one request's whole prompt from its start, logits of its last row only, in the
+        smallest prefill bucket that holds it."""
+        if len(step.requests) != 1:
+            return None
+        request, n = step.requests[0], step.num_tokens[0]
+        if request.num_computed or self.runner._logit_tokens(request, Phase.PREFILL, 0, n) != range(n - 1, n):
+            return None
+        i = bisect.bisect_left(self.prefill_buckets, n)
+        return None if i == len(self.prefill_buckets) else GraphKey(Phase.PREFILL, 1, self.prefill_buckets[i])
 
     def run(self, step: ScheduledStep) -> RunnerOutput | None:
         """Replay the graph for `step` (capturing it on first use); None when the step has no graph shape or its
@@ -179,8 +215,10 @@ class StepGraphs:
             captured.graph.replay()
         return captured.logits
 
-    def _padding(self, key: GraphKey) -> Padding:
-        """The rows that fill `key`'s bucket: sequences on the scratch page and state slot."""
+    def _padding(self, key: GraphKey) -> Padding | PrefillPadding:
+        """The rows that fill `key`'s bucket: sequences (a prefill's rows) on the scratch page and state slot."""
+        if key.phase is Phase.PREFILL:
+            return PrefillPadding(key.tokens_per_seq, self.scratch_page, self.scratch_slot)
         return Padding(key.batch, key.tokens_per_seq, self.scratch_page, self.scratch_slot)
 
     def _graph_safe_hooks(self) -> tuple[int, ...] | None:
@@ -228,7 +266,7 @@ class StepGraphs:
                     torch.cuda.set_sync_debug_mode(mode)
                 self.runner.forward(inputs)
             torch.cuda.current_stream(device).wait_stream(side)
-            with torch.no_grad(), torch.cuda.graph(captured.graph, pool=self.pool):
+            with torch.no_grad(), retained() as captured.layouts, torch.cuda.graph(captured.graph, pool=self.pool):
                 captured.logits = self.runner.forward(inputs)
         except RuntimeError as err:
             torch.cuda.current_stream(device).wait_stream(side)
@@ -241,6 +279,8 @@ class StepGraphs:
 
     def _inputs(self, key: GraphKey) -> StepInputs:
         """The runner's buffers as a step of `key`'s full shape: what the captured forward reads."""
+        if key.phase is Phase.PREFILL:
+            return self._prefill_inputs(key.tokens_per_seq)
         n, t = key.batch, key.batch * key.tokens_per_seq
         dev = self.runner.buffers.fields(t, n, t)
         batch = ForwardBatch(
@@ -260,3 +300,29 @@ class StepGraphs:
             backend=self.runner.attention_backend,
         )
         return StepInputs(dev.input_ids, batch, view, self.rows[:t])
+
+    def _prefill_inputs(self, rows: int) -> StepInputs:
+        """A padded prefill of `rows` rows as the layers see it: one sequence of all the rows, whose padding the
+        KDA layers keep out of the live sequence's states (`TailPadding`: the staged two-sequence layout)."""
+        dev = self.runner.buffers.fields(rows, 2, 1)
+        span = self._spans.get(rows)
+        if span is None:
+            span = self._spans[rows] = torch.tensor([0, rows], dtype=torch.int32, device=self.runner.device)
+        batch = ForwardBatch(
+            seq_lens=[rows],
+            context_lens=[0],
+            cu_seqlens=span,
+            positions=dev.positions,
+            phases=[Phase.PREFILL],
+            tail_padding=TailPadding(dev.cu_seqlens, dev.state_indices),
+        )
+        view = CacheView(
+            self.runner.cache,
+            [SCRATCH_SEQ_ID],
+            dev.block_table[:1],
+            dev.state_indices[:1],
+            cache_seqlens=dev.cache_seqlens[:1],
+            slot_mapping=dev.slot_mapping,
+            backend=self.runner.attention_backend,
+        )
+        return StepInputs(dev.input_ids, batch, view, dev.logits_index)

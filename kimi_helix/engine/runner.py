@@ -57,6 +57,17 @@ class Padding:
     slot: int
 
 
+@dataclass(frozen=True)
+class PrefillPadding:
+    """Rows a graphed prefill appends after its one live sequence (a whole prompt, the last row's logits) to fill
+    `tokens` rows: staged as a second sequence on `page` and state `slot` (`modeling.batch.TailPadding` says how
+    the layers keep them out of the live sequence's states)."""
+
+    tokens: int
+    page: int
+    slot: int
+
+
 @dataclass
 class StepFields:
     """The per-step inputs, as views of one staging buffer at a step shape's offsets: torch tensors of the device
@@ -221,11 +232,18 @@ class ModelRunner:
         hidden = model.forward_packed(model.embed_tokens(inputs.input_ids), inputs.batch, inputs.view)
         return self.model.lm_head(hidden[inputs.logits_index]).float()
 
-    def prepare(self, step: ScheduledStep, padding: Padding | None = None) -> tuple[StepInputs, list[slice]]:
+    def prepare(
+        self, step: ScheduledStep, padding: Padding | PrefillPadding | None = None
+    ) -> tuple[StepInputs, list[slice]]:
         """Fill the buffers for `step` (and `padding`'s rows after it) and return views of the live part plus each
         request's logit rows. Host work only, then one asynchronous copy: nothing here waits for the device."""
         reqs, n_live, t_live = step.requests, len(step.requests), step.total_tokens
-        n, t = (n_live, t_live) if padding is None else (padding.batch, padding.batch * padding.tokens_per_seq)
+        if padding is None:
+            n, t = n_live, t_live
+        elif isinstance(padding, PrefillPadding):
+            n, t = 2, padding.tokens
+        else:
+            n, t = padding.batch, padding.batch * padding.tokens_per_seq
         contexts = [r.num_computed for r in reqs]
         rows, index = [], []
         start = 0
@@ -234,10 +252,14 @@ class ModelRunner:
             rows.append(slice(len(index), len(index) + len(wanted)))
             index.extend(range(start + wanted.start, start + wanted.stop))
             start += m
+        if isinstance(padding, PrefillPadding) and not reqs:  # a capture's step: one row, as the live ones have
+            index = [t - 1]
         host = self.buffers.host_fields(t, n, len(index))
         self._stage_live(host, step, contexts, 0 if padding is None else padding.page)
         host.logits_index[:] = index
-        if padding is not None:
+        if isinstance(padding, PrefillPadding):
+            self._stage_prefill_padding(host, padding, n_live, t_live)
+        elif padding is not None:
             self._stage_padding(host, padding, n_live)
         self.buffers.upload(t, n, len(index))
         dev = self.buffers.fields(t, n, len(index))
@@ -299,6 +321,19 @@ class ModelRunner:
         host.cache_seqlens[n_live:] = q
         host.state_indices[n_live:] = padding.slot
         host.block_table[n_live:] = padding.page
+
+    def _stage_prefill_padding(self, host: StepFields, padding: PrefillPadding, n_live: int, t_live: int) -> None:
+        """Rows t_live.. of a padded prefill: a second sequence of the padding tokens on the padding page/slot (and,
+        for a capture's step without a live sequence, an empty first one there too)."""
+        ps, rows = self.cache.ledger.page_size, padding.tokens - t_live
+        within = np.arange(rows) % ps
+        host.input_ids[t_live:] = PAD_TOKEN_ID
+        host.positions[t_live:] = within
+        host.slot_mapping[t_live:] = padding.page * ps + within
+        host.cu_seqlens[1:] = t_live, padding.tokens
+        host.cache_seqlens[1], host.state_indices[1], host.block_table[1] = rows, padding.slot, padding.page
+        if n_live == 0:
+            host.cache_seqlens[0], host.state_indices[0], host.block_table[0] = 0, padding.slot, padding.page
 
     @staticmethod
     def _logit_tokens(request, phase: Phase, context: int, n: int) -> range:

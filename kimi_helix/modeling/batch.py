@@ -58,6 +58,32 @@ class PhaseRun:
         return "verify" if Phase.VERIFY in self.batch.phases else "decode"
 
 
+@dataclass(frozen=True)
+class TailPadding:
+    """Padding rows at the end of a one-sequence prefill, so that a captured prefill serves every prompt length up
+    to its size (`engine.cuda_graph`). The batch is one sequence of all T rows: attention is causal, so the live
+    rows never see the padding, and the padding rows' outputs are never read. Only the KDA layers' states would see
+    them, so those layers take the live length from here:
+
+    Attributes:
+        conv_cu_seqlens: [3] int32 on the device, [0, live rows, T]: the short conv runs the padding as a second
+            sequence, which leaves the live sequence's conv state at its own last rows.
+        conv_state_indices: [2] int64 on the device: the live sequence's state slot, then a scratch slot for the
+            padding sequence's conv state.
+
+    The delta rule runs over all T rows with the padding rows' beta and decay set to 0 and 1 (their logits to
+    -inf), so that they leave the recurrent state as the last live row left it.
+    """
+
+    conv_cu_seqlens: torch.Tensor
+    conv_state_indices: torch.Tensor
+
+    def padding_rows(self, num_rows: int) -> torch.Tensor:
+        """[num_rows] bool on the device: True at the padding rows (no host read of the live length)."""
+        rows = torch.arange(num_rows, device=self.conv_cu_seqlens.device)
+        return rows >= self.conv_cu_seqlens[1]
+
+
 @dataclass
 class ForwardBatch:
     """Layout and phases of the new tokens of N sequences.
@@ -68,6 +94,7 @@ class ForwardBatch:
         cu_seqlens: [N+1] int32, prefix sums of `seq_lens`, on the device.
         positions: [T] int64 absolute positions (`context_lens[i] + j`), on the device.
         phases: the declared `Phase` of each sequence, length N.
+        tail_padding: set when the batch is one padded prefill sequence (`TailPadding`), else None.
 
     `host_cu_seqlens` and `host_cu_totals` are the host-side offsets the kernels take instead of reading the
     device ones back (a read is a device sync, and prefill would pay it in every layer).
@@ -78,8 +105,15 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
     phases: list[Phase]
+    tail_padding: TailPadding | None = None
 
     def __post_init__(self) -> None:
+        padding, one = self.tail_padding, len(self.seq_lens) == 1
+        if padding is not None and not (one and self.phases[0] is Phase.PREFILL and self.context_lens[0] == 0):
+            raise ValueError(
+                "tail_padding applies to one prefill sequence without a cached context, got "
+                f"seq_lens={self.seq_lens}, context_lens={self.context_lens}, phases={self.phases}"
+            )
         self._runs: list[PhaseRun] | None = None
         self._host_cu: dict[str, torch.Tensor] = {}
 

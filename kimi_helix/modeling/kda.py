@@ -13,6 +13,8 @@ stay as they were (`packing.WeightPack`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -124,6 +126,11 @@ class KimiDeltaAttention(nn.Module):
         conv inputs and the recurrent state after every token, so a partial acceptance can be rolled back."""
         qkv, g, beta, slots = [z[run.tokens] for z in qkv], g[run.tokens], beta[run.tokens], slots[run.seqs]
         t, (h, k), cu = qkv[0].shape[0], (self.num_heads, self.head_dim), run.batch.cu_seqlens
+        conv_cu, conv_slots, padding = cu, slots, run.batch.tail_padding
+        if padding is not None:  # logits of -inf: beta 0 and decay 1 keep the padding rows out of the state
+            pad = padding.padding_rows(t)
+            g, beta = g.masked_fill(pad[:, None, None], -math.inf), beta.masked_fill(pad[:, None], -math.inf)
+            conv_cu, conv_slots = padding.conv_cu_seqlens, padding.conv_state_indices
         record = Phase.VERIFY in run.batch.phases and hasattr(cache, "record_verify")
         # static per-layer buffers for the records, so that a graph-replayed verify writes them in place (and
         # written there directly: no copy of them afterwards)
@@ -142,7 +149,7 @@ class KimiDeltaAttention(nn.Module):
             ).chunk(3, dim=-1)
         else:  # q, k and v each contiguous: the chunked kernels would copy strided ones
             qkv = causal_conv1d(
-                [z[None] for z in qkv], self.conv_weights(), conv_state, True, cu, state_indices=slots,
+                [z[None] for z in qkv], self.conv_weights(), conv_state, True, conv_cu, state_indices=conv_slots,
                 record_into=(conv_before, inputs) if record else None, split_output=True,
                 backend=self.backends.kernels,
             )[0]  # fmt: skip

@@ -55,12 +55,10 @@ def _llm(model, graphs: bool, kv_cache_dtype: str = "auto", **engine) -> LLM:
     take the hand-set drafts of these tests (up to 8, `max_draft_tokens`). Synchronous unless `engine` says
     otherwise: the tests schedule and run steps by hand, and an asynchronous step leaves its tokens on the device
     (`test_async_scheduling.py` covers graphs with overlapped steps)."""
-    engine.setdefault("async_scheduling", False)
+    engine = {"async_scheduling": False, "max_num_seqs": 8, "max_model_len": 64, **engine}
     on_cuda = next(model.parameters()).is_cuda
     llm = LLM(
         model,
-        max_num_seqs=8,
-        max_model_len=64,
         enforce_eager=not (graphs and on_cuda),
         page_size=16,
         kv_cache_dtype=kv_cache_dtype,

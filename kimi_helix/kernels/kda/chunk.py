@@ -25,7 +25,6 @@ is read on the host: pass it on the CPU to avoid a device sync.
 
 from __future__ import annotations
 
-import functools
 from itertools import pairwise
 
 import torch
@@ -41,6 +40,7 @@ from kimi_helix.kernels.kda.chunk_o import kda_chunk_output_kernel
 from kimi_helix.kernels.kda.chunk_wy import kda_chunk_wy_kernel
 from kimi_helix.kernels.kda.common import check_gate_args, check_kda_inputs, check_state
 from kimi_helix.kernels.launch import cdiv, next_pow2
+from kimi_helix.kernels.layouts import layout_cache
 
 __all__ = ["CAPS", "chunk_kda_triton"]
 
@@ -60,7 +60,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, devi
     return _layout_of(tuple(segment_bounds(cu_seqlens, B, T)), BT, device)
 
 
-@functools.lru_cache(maxsize=16)
+@layout_cache(maxsize=16)
 def _layout_of(bounds: tuple[int, ...], BT: int, device: torch.device):
     counts = [cdiv(e - b, BT) for b, e in pairwise(bounds)]
     pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]

@@ -10,7 +10,6 @@ slabs whose dots are summed, rather than padded to 256 (which would waste a quar
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -20,6 +19,7 @@ import triton.language as tl
 from kimi_helix.kernels.backends import FLOATS, KernelCaps
 from kimi_helix.kernels.common import check_triton_device
 from kimi_helix.kernels.device import interpreting, triton_devices
+from kimi_helix.kernels.layouts import layout_cache
 from kimi_helix.kernels.mla.naive import host_bounds
 
 __all__ = ["CAPS", "mla_prefill_triton", "tile_config"]
@@ -249,7 +249,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, host_offsets=None) -> tuple[t
     return _split_pow2("Dqk", dqk), _split_pow2("Dv", v.shape[2])
 
 
-@functools.lru_cache(maxsize=16)
+@layout_cache(maxsize=16)
 def _host_block_map(cq: tuple[int, ...], block_m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`_block_map` of host offsets `cq`: built on the host and uploaded in one copy, once per offsets (the MLA
     layers of a prefill pass share it; the kernel only reads it). Real programs only, in the same reversed order."""
