@@ -140,7 +140,7 @@ class StepGraphs:
         scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1, map_now=True)
         self.scratch_page, self.scratch_slot = scratch.pages[0], scratch.slot
         runner.cache.reset_state(scratch.slot)
-        # every logit row of a uniform step, in packed order (ModelRunner._logit_tokens for decode and verify)
+        # every logit row of a uniform step, in packed order (ModelRunner.logit_tokens for decode and verify)
         self.rows = torch.arange(self.max_tokens, device=runner.device)
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -150,9 +150,9 @@ class StepGraphs:
 
     # ---------------------------------------------------------------- dispatch
     def key_for(self, step: ScheduledStep) -> GraphKey | None:
-        """The graph shape that serves `step`, or None when it must run eagerly (mixed phases, prefill, verify
-        groups of unequal or too many drafts, more sequences or tokens than the largest bucket, a verify step
-        beyond the verify scratch)."""
+        """The graph shape that serves `step`, or None when it must run eagerly (mixed phases, a prefill that is
+        not one whole fresh prompt within the prefill buckets, verify groups of unequal or too many drafts, more
+        sequences or tokens than the largest bucket, a verify step beyond the verify scratch)."""
         phase = step.phases[0] if step.phases else Phase.PREFILL
         if any(p is not phase for p in step.phases):
             return None
@@ -174,7 +174,7 @@ class StepGraphs:
         if len(step.requests) != 1:
             return None
         request, n = step.requests[0], step.num_tokens[0]
-        if request.num_computed or self.runner._logit_tokens(request, Phase.PREFILL, 0, n) != range(n - 1, n):
+        if request.num_computed or self.runner.logit_tokens(request, Phase.PREFILL, 0, n) != range(n - 1, n):
             return None
         i = bisect.bisect_left(self.prefill_buckets, n)
         return None if i == len(self.prefill_buckets) else GraphKey(Phase.PREFILL, 1, self.prefill_buckets[i])

@@ -248,7 +248,7 @@ class ModelRunner:
         rows, index = [], []
         start = 0
         for r, phase, ctx, m in zip(reqs, step.phases, contexts, step.num_tokens):
-            wanted = self._logit_tokens(r, phase, ctx, m)
+            wanted = self.logit_tokens(r, phase, ctx, m)
             rows.append(slice(len(index), len(index) + len(wanted)))
             index.extend(range(start + wanted.start, start + wanted.stop))
             start += m
@@ -336,7 +336,7 @@ class ModelRunner:
             host.cache_seqlens[0], host.state_indices[0], host.block_table[0] = 0, padding.slot, padding.page
 
     @staticmethod
-    def _logit_tokens(request, phase: Phase, context: int, n: int) -> range:
+    def logit_tokens(request, phase: Phase, context: int, n: int) -> range:
         """Which of the request's `n` new tokens need logits (indices into its tokens)."""
         if phase is not Phase.PREFILL:
             return range(n)  # a decode's token, or every token of a verify group
