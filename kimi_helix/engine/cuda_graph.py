@@ -120,7 +120,7 @@ class StepGraphs:
         if not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be an int >= 0, got {max_draft_tokens!r}")
         b = runner.buffers
-        self.max_seqs, self.max_tokens = b.max_seqs, b.max_tokens
+        self.max_seqs, self.max_tokens = runner.max_num_seqs, b.max_tokens
         ledger = runner.cache.ledger
         if max_draft_tokens + 1 > ledger.page_size:
             raise ValueError(f"max_draft_tokens + 1 = {max_draft_tokens + 1} must fit one page ({ledger.page_size})")

@@ -205,7 +205,9 @@ class ModelRunner:
         self.cache = cache
         self.device = torch.device(device)
         self.attention_backend = attention_backend
-        self.buffers = StepBuffers(max_num_seqs, max_num_tokens, max_pages_per_seq, self.device)
+        self.max_num_seqs = max_num_seqs
+        # a graphed prefill stages its padding as a second sequence (`PrefillPadding`), also when max_num_seqs = 1
+        self.buffers = StepBuffers(max(max_num_seqs, 2), max_num_tokens, max_pages_per_seq, self.device)
         # `cuda_graph.StepGraphs` over this runner, set by the engine on CUDA: replays uniform decode/verify steps
         self.graphs = None
         # called as input_patch(step, input_ids [T] device) once a step's inputs are uploaded and before its forward:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kimi_helix.engine import SamplingParams
-from kimi_helix.engine.cuda_graph import SCRATCH_SEQ_ID, GraphKey, default_prefill_buckets
+from kimi_helix.engine.cuda_graph import SCRATCH_SEQ_ID, GraphKey, StepGraphs, default_prefill_buckets
+from kimi_helix.engine.runner import PrefillPadding
 from kimi_helix.engine.scheduler import ScheduledStep
 from kimi_helix.kernels.device import interpreting
 from kimi_helix.modeling.batch import ForwardBatch, Phase, TailPadding
@@ -103,6 +104,17 @@ def test_graph_prefill_generation_equals_eager():
     assert [llm.generate([p], GREEDY)[0].token_ids for p in prompts] == eager  # one prompt a step
     prefills = {k for k in llm.runner.graphs.graphs if k.phase is Phase.PREFILL}
     assert prefills == {GraphKey(Phase.PREFILL, 1, n) for n in (16, 32, 64)}
+
+
+def test_prefill_padding_fits_a_one_sequence_runner():
+    """An engine of max_num_seqs = 1 (batch-1 serving) stages a padded prefill too: its buffers hold the padding's
+    second sequence, while its graphs' batch buckets stay those of one sequence."""
+    llm = _llm(_model("cpu"), False, max_num_seqs=1)
+    runner = llm.runner
+    assert runner.max_num_seqs == 1 and runner.buffers.max_seqs == 2
+    runner.prepare(ScheduledStep([], [], []), PrefillPadding(16, page=0, slot=0))
+    graphs = StepGraphs(runner, use_graphs=False)
+    assert graphs.max_seqs == 1 and graphs.buckets == (1,) and graphs.prefill_buckets[:2] == (16, 32)
 
 
 def test_prefill_graph_keys():

@@ -143,9 +143,10 @@ def test_draft_graphs_give_the_eager_drafts(tmp_path):
 
 @pytest.mark.gpu
 def test_graphed_target_steps_capture_the_eager_features(tmp_path):
-    """One request (bucket 1: the graphed step has the eager step's shapes), DSpark k=3: every feature the
-    proposer observes is bit-identical between CUDA-graphed and eager target steps (synchronous rounds: the
-    overlapped ones hand features to the drafter on the device, `test_async_rounds.py`)."""
+    """One request of a 16-token prompt (prefill bucket 16 and decode bucket 1: the graphed steps have the eager
+    steps' shapes), DSpark k=3: every feature the proposer observes is bit-identical between CUDA-graphed and eager
+    target steps (synchronous rounds: the overlapped ones hand features to the drafter on the device,
+    `test_async_rounds.py`)."""
     model = _gpu_target().to("cuda")
     spec = {"method": "dspark", "model": str(_drafter_dir(model, tmp_path)), "num_speculative_tokens": 3}
     seen = {}
@@ -160,8 +161,8 @@ def test_graphed_target_steps_capture_the_eager_features(tmp_path):
             observe(ids, starts, counts, features)
 
         proposer.observe_step = observe_step
-        llm.generate([[5, 9, 11, 3, 7, 4, 4, 9]], GREEDY)
-    assert any(key.phase is Phase.VERIFY for key in llm.runner.graphs.graphs)
+        llm.generate([[5, 9, 11, 3, 7, 4, 4, 9] * 2], GREEDY)
+    assert {key.phase for key in llm.runner.graphs.graphs} >= {Phase.PREFILL, Phase.VERIFY}
     assert len(seen[True]) > 2 and [s for s, _ in seen[True]] == [s for s, _ in seen[False]]
     for (_, e), (_, r) in zip(seen[True], seen[False]):
         torch.testing.assert_close(r, e, rtol=0, atol=0)
