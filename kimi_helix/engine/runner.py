@@ -56,6 +56,11 @@ class Padding:
     page: int
     slot: int
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(sequences, tokens) of the padded step."""
+        return self.batch, self.batch * self.tokens_per_seq
+
 
 @dataclass(frozen=True)
 class PrefillPadding:
@@ -66,6 +71,11 @@ class PrefillPadding:
     tokens: int
     page: int
     slot: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(sequences, tokens) of the padded step: the live sequence and the padding's."""
+        return 2, self.tokens
 
 
 @dataclass
@@ -240,12 +250,7 @@ class ModelRunner:
         """Fill the buffers for `step` (and `padding`'s rows after it) and return views of the live part plus each
         request's logit rows. Host work only, then one asynchronous copy: nothing here waits for the device."""
         reqs, n_live, t_live = step.requests, len(step.requests), step.total_tokens
-        if padding is None:
-            n, t = n_live, t_live
-        elif isinstance(padding, PrefillPadding):
-            n, t = 2, padding.tokens
-        else:
-            n, t = padding.batch, padding.batch * padding.tokens_per_seq
+        n, t = (n_live, t_live) if padding is None else padding.shape
         contexts = [r.num_computed for r in reqs]
         rows, index = [], []
         start = 0
