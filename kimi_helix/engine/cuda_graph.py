@@ -135,6 +135,9 @@ class StepGraphs:
         self.max_verify_seqs = max(fits, default=0) if max_draft_tokens else 0  # the largest verify-graph bucket
         if prefill_buckets is None:
             prefill_buckets = default_prefill_buckets(self.max_tokens)
+        bad = [s for s in prefill_buckets if not isinstance(s, int) or s < 1]
+        if bad:
+            raise ValueError(f"prefill_buckets must be ints >= 1 (token counts), got {bad!r} in {prefill_buckets!r}")
         self.prefill_buckets = tuple(sorted(s for s in prefill_buckets if s <= self.max_tokens))
         self._spans: dict[int, torch.Tensor] = {}  # [0, rows] int32 on the device: a padded prefill's cu_seqlens
         scratch = ledger.admit(SCRATCH_SEQ_ID, max_draft_tokens + 1, map_now=True)

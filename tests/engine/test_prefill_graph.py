@@ -117,6 +117,13 @@ def test_prefill_padding_fits_a_one_sequence_runner():
     assert graphs.max_seqs == 1 and graphs.buckets == (1,) and graphs.prefill_buckets[:2] == (16, 32)
 
 
+@pytest.mark.parametrize("buckets", [(0, 16), (16, -32), (16.0,)], ids=["zero", "negative", "float"])
+def test_prefill_buckets_must_be_token_counts(buckets):
+    llm = _llm(_model("cpu"), False)
+    with pytest.raises(ValueError, match="prefill_buckets must be ints >= 1"):
+        StepGraphs(llm.runner, use_graphs=False, prefill_buckets=buckets)
+
+
 def test_prefill_graph_keys():
     """Only one request's whole fresh prompt, wanting its last row's logits only, within the largest bucket."""
     llm = _llm(_model("cpu"), True, max_model_len=1024, max_num_batched_tokens=1024)
