@@ -47,7 +47,9 @@ VARIANTS = [
     "triton-mma,2",
 ]
 TOL = 2e-2
-TOL_FP8_MMA = 1e-1  # e4m3 q and P (Schedule.fp8_mma) round to 4 significant bits: ~4 % of |out| on random data
+# e4m3 q and P (Schedule.fp8_mma) round to 4 significant bits: 3-5 % of |out| and 0.025 in lse on random data
+# (H100, 3aeec70)
+TOL_FP8_MMA = (1e-1, 5e-2)
 
 
 def parse_variant(text: str) -> tuple:
@@ -101,7 +103,7 @@ def worker_check(variant) -> list[dict]:
     ok = decode._fp8_wgmma_ok
     decode._fp8_wgmma_ok = lambda *a: served.append(ok(*a)) or served[-1]
     rows = []
-    tol = TOL_FP8_MMA if variant[0] == "triton-mma" else TOL
+    tol, lse_tol = TOL_FP8_MMA if variant[0] == "triton-mma" else (TOL, 1e-2)
     for case in CASES:
         cache, q, cu = _case_setup(case)
         args = (q, cache.kv, cache.tables[0], cache.lens, cu, 192**-0.5, 512, None, cache.scale)
@@ -113,7 +115,7 @@ def worker_check(variant) -> list[dict]:
         err = ((out.float() - want_out.float()).abs().max() / want_out.float().abs().max()).item()
         lse_err = (lse - want_lse).abs().max().item()
         rows.append(dict(case=list(case), served_gluon=bool(served and served[-1]), out_err=err, lse_err=lse_err,
-                         first_call_s=round(first_s, 2), ok=bool(err < tol and lse_err < 1e-2)))  # fmt: skip
+                         first_call_s=round(first_s, 2), ok=bool(err < tol and lse_err < lse_tol)))  # fmt: skip
         del cache
     return rows
 
