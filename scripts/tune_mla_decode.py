@@ -79,22 +79,17 @@ def sweep(case, smoke: bool, tma: bool = False, given: list | None = None) -> li
 
 
 def parse_schedule(text: str) -> decode.Schedule:
-    """ "block_n,warps,stages,slack,d_split[,tma][,wgmma][,mma]" (e.g. "64,8,5,0,1,tma") as a Schedule; mma sets
-    fp8_mma (e4m3 operands for an fp8 cache)."""
+    """ "block_n,warps,stages,slack,d_split[,tma][,wgmma]" (e.g. "64,8,5,0,1,tma") as a Schedule."""
     parts = text.split(",")
     flags = set(parts[5:])
     try:
         n, w, st, d = (int(parts[i]) for i in (0, 1, 2, 4))
         slack = float(parts[3])
     except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not block_n,warps,stages,slack,d_split[,tma][,wgmma][,mma]"
-        ) from None
-    if not flags <= {"tma", "wgmma", "mma"} or d not in decode.D_SPLITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: flags must be tma, wgmma or mma, d_split one of {decode.D_SPLITS}")
-    return decode.Schedule(
-        n, w, st, slack, tma="tma" in flags, d_split=d, wgmma="wgmma" in flags, fp8_mma="mma" in flags
-    )
+        raise argparse.ArgumentTypeError(f"{text!r} is not block_n,warps,stages,slack,d_split[,tma][,wgmma]") from None
+    if not flags <= {"tma", "wgmma"} or d not in decode.D_SPLITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: flags must be tma or wgmma, d_split one of {decode.D_SPLITS}")
+    return decode.Schedule(n, w, st, slack, tma="tma" in flags, d_split=d, wgmma="wgmma" in flags)
 
 
 def _committed(key) -> decode.Schedule:
@@ -159,7 +154,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--cases", nargs="+", type=parse_case, help="only these cases, each as b,h,s_q,s_k,kv")
     ap.add_argument("--tma", action="store_true", help="sweep schedules whose whole tiles are copied by TMA")
     ap.add_argument("--schedules", nargs="+", type=parse_schedule,
-                    help="only these candidates: block_n,warps,stages,slack,d_split[,tma][,wgmma][,mma] each")  # fmt: skip
+                    help="only these candidates: block_n,warps,stages,slack,d_split[,tma][,wgmma] each")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1), help="compiling processes")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -53,7 +53,7 @@ __all__ = [
 
 FP8 = torch.float8_e4m3fn
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, FP8: tl.float8e4nv}
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 # What mla_decode_triton accepts (decode and verify), read by the backend switch; it raises ValueError for anything
 # else. Any head count, page size and per-sequence s_q >= 0. fp8 and a cache of q's dtype compute in q's dtype; any
@@ -235,7 +235,6 @@ def mla_decode_fwd_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr,
-    FP8_MMA: tl.constexpr,
     USE_KV_BOUNDS: tl.constexpr,
     SPLIT: tl.constexpr,
     RESCALE_SLACK: tl.constexpr,
@@ -284,16 +283,12 @@ def mla_decode_fwd_kernel(
     DW: tl.constexpr = DC // DSPLIT
     q_row = q_ptr + tok.to(tl.int64) * stride_qt + head * stride_qh
     row_scale = tl.full([BLOCK_Q * BLOCK_H], qk_scale, tl.float32)
-    # fp8: fp16 operands, or e4m3 ones under FP8_MMA (see `decode_fp8`); q scaled per row into their range, and
-    # the P @ c weights scaled by 2^W_EXP
-    W_EXP: tl.constexpr = 8 if FP8_MMA else 0
-    if IS_FP8:
+    if IS_FP8:  # fp16 operands (see `decode_fp8.attend_tile_fp8`): q scaled per row into fp16's range
         q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, tl.float32)
         q_pe = q0  # unused when DR == 0
         if DR > 0:
             q_pe = _load_cols(q_row + DC, row_ok, DR, tl.float32)
-        q0, q1, q2, q3, q_pe, unscale = scaled_rows(q0, q1, q2, q3, q_pe, DR, DSPLIT, COMPUTE_DTYPE,
-                                                    8 if FP8_MMA else 14)  # fmt: skip
+        q0, q1, q2, q3, q_pe, unscale = scaled_rows(q0, q1, q2, q3, q_pe, DR, DSPLIT, COMPUTE_DTYPE)
         row_scale = row_scale * unscale
     else:
         q0, q1, q2, q3 = _load_groups(q_row, row_ok, DW, DSPLIT, COMPUTE_DTYPE)
@@ -329,7 +324,7 @@ def mla_decode_fwd_kernel(
             acc0, acc1, acc2, acc3, l_i, m_i, d_i = attend_tile_fp8(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n,
                                                                      tile_lo, hi, bound, acc0, acc1, acc2, acc3, l_i,
                                                                      m_i, d_i, row_scale, DSPLIT, COMPUTE_DTYPE,
-                                                                     DOT_PRECISION, W_EXP)  # fmt: skip
+                                                                     DOT_PRECISION)  # fmt: skip
         else:
             acc0, acc1, acc2, acc3, l_i, m_i = _attend_tile(s, c0, c1, c2, c3, n, tile_lo, bound, acc0, acc1, acc2,
                                                             acc3, l_i, m_i, qk_scale, DSPLIT, COMPUTE_DTYPE,
@@ -342,16 +337,11 @@ def mla_decode_fwd_kernel(
     if SPLIT:
         row = row * num_splits + split
     l_out = l_safe
-    if IS_FP8:  # out = acc * 2^(d - W_EXP) / l; acc is 0 where no key had weight (d = -inf)
-        norm = tl.where(has_keys & (d_i > float("-inf")), tl.exp2(d_i - W_EXP), 0.0)
+    if IS_FP8:  # out = acc * 2^d / l; acc is 0 where no key had weight (d = -inf)
+        norm = tl.where(has_keys & (d_i > float("-inf")), tl.exp2(d_i), 0.0)
         l_out = tl.where(norm > 0, l_safe / norm, 1.0)
     _store_out(out_ptr + row * DC, row_ok, acc0, acc1, acc2, acc3, l_out, DW, DSPLIT)
     tl.store(lse_ptr + row, lse, mask=row_ok)
-
-
-def _fp8_dot_ok(device: torch.device) -> bool:
-    """Whether tl.dot takes e4m3 operands here: sm_89 and newer (or the interpreter)."""
-    return capability(device.index) >= (8, 9) if device.type == "cuda" else interpreting()
 
 
 # TMA tiles only where the launch holds at least this much work (query rows x key capacity, T * H * max_kv): a TMA
@@ -554,9 +544,6 @@ def mla_decode_triton(
     use_fp8_wgmma = sched.wgmma and _fp8_wgmma_ok(q, kv_cache, kv_lora_rank, cfg, sched)
     use_wgmma = sched.wgmma and use_tma and not use_fp8_wgmma and _wgmma_ok(q, kv_cache, kv_lora_rank, cfg)
     use_tma = use_tma and not use_fp8_wgmma
-    fp8_mma = kv_cache.dtype == FP8 and sched.fp8_mma and not use_fp8_wgmma and _fp8_dot_ok(q.device)
-    if fp8_mma:
-        compute = FP8
     kv_c_desc, kv_pe_desc = _tma_descriptors(*tile) if use_tma and not use_wgmma else (None, None)
     num_head_blocks = cdiv(H, cfg["BLOCK_H"])
     slots = (T + N * (cfg["BLOCK_Q"] - 1)) // cfg["BLOCK_Q"]  # f(N) of the kernel's slot map
@@ -599,7 +586,7 @@ def mla_decode_triton(
             part_out, part_lse, qk_scale, N, H, num_head_blocks, splits, q.stride(0), q.stride(1), kv_cache.stride(0),
             kv_cache.stride(1), block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank,
             SEQS_POW2=next_pow2(N + 1), COMPUTE_DTYPE=_TL_DTYPE[compute],
-            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", IS_FP8=kv_cache.dtype == FP8, FP8_MMA=fp8_mma,
+            DOT_PRECISION="ieee" if compute == torch.float32 else "tf32", IS_FP8=kv_cache.dtype == FP8,
             USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1, USE_TMA=use_tma, **cfg,
         )  # fmt: skip
     if splits > 1:

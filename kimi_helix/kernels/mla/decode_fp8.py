@@ -5,11 +5,6 @@ e4m3 converts to fp16 in one exact instruction, where bf16 takes a further conve
 frequent instruction of the bf16 form, see scripts/kernel_resources.py), so an fp8 cache computes with fp16
 operands: q is scaled per row into fp16's range, and each key's scale goes into its score and its P @ c weight in
 fp32, with the weights normalised to <= 1 so that they fit fp16 whatever the scales.
-
-A schedule with fp8_mma (`decode_schedule.Schedule`) instead computes with e4m3 operands, as FlashMLA's and vLLM's
-fp8 MLA paths do: q is scaled per row into e4m3's range and quantised, the weights are scaled by 2^8 into it, and
-the cache's tiles go to the tensor cores unconverted (twice the MMA rate of fp16, no conversion). That rounds q
-and P to 4 significant bits, where the fp16 form is exact up to fp32 accumulation of the cache's own values.
 """
 
 from __future__ import annotations
@@ -34,15 +29,14 @@ def accumulate(p, c0, c1, c2, c3, acc0, acc1, acc2, acc3, DSPLIT: tl.constexpr, 
 
 @triton.jit
 def attend_tile_fp8(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound, acc0, acc1, acc2, acc3, l_i, m_i,
-                    d_i, row_scale, DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    W_EXP: tl.constexpr):  # fmt: skip
+                    d_i, row_scale, DSPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):  # fmt: skip
     """`decode._attend_tile` for an fp8 cache: c holds e4m3 values (in COMPUTE_DTYPE), a key's value is its scale
     ks times c. Scores take ks per key and row_scale per row (log2 units). P @ c weighs key n by w = p_n * ks_n / 2^d
     with d (d_i) the running row max of log2(p * ks), kept relative to the running max m of the scores (so no large
     numbers cancel), so w <= 1 fits fp16 whatever the scales; acc_j then holds sum_n w_n c_n, rescaled as d grows,
-    and the output is acc * 2^(d - W_EXP) / l (the kernel's epilogue). e4m3 weights are w * 2^W_EXP (W_EXP 8:
-    at most 256 < 448), so that a long tail of small weights stays above e4m3's subnormals (2^-9) instead of
-    flushing to 0. No lazy rescaling (the fp8 schedules keep rescale_slack 0)."""
+    and the output is acc * 2^d / l (the kernel's epilogue). No lazy rescaling (the fp8 schedules keep
+    rescale_slack 0)."""
     key_ok = (n >= lo) & (n < hi)
     key_scale = tl.load(kv_scale_ptr + key_slot, mask=key_ok, other=0.0)
     visible = key_ok[None, :] & (n[None, :] < bound[:, None])
@@ -63,17 +57,16 @@ def attend_tile_fp8(s, c0, c1, c2, c3, kv_scale_ptr, key_slot, n, lo, hi, bound,
     if DSPLIT > 2:
         acc2 = acc2 * beta
         acc3 = acc3 * beta
-    w = tl.exp2(u - d_off[:, None] + W_EXP).to(COMPUTE_DTYPE)
+    w = tl.exp2(u - d_off[:, None]).to(COMPUTE_DTYPE)
     acc0, acc1, acc2, acc3 = accumulate(w, c0, c1, c2, c3, acc0, acc1, acc2, acc3, DSPLIT, DOT_PRECISION)
     return acc0, acc1, acc2, acc3, l_i, m_new, d_new
 
 
 @triton.jit
-def scaled_rows(q0, q1, q2, q3, q_pe, DR: tl.constexpr, DSPLIT: tl.constexpr, DTYPE: tl.constexpr,
-                TOP: tl.constexpr):  # fmt: skip
-    """The query's fp32 column groups (and q_pe) scaled per row to a largest magnitude in (2^(TOP-1), 2^TOP] and
-    cast to DTYPE: with TOP 14 in fp16, 8 in e4m3 (max 448), they then neither overflow nor lose small entries to
-    subnormals. Also the factor that undoes the scaling ([rows] fp32)."""
+def scaled_rows(q0, q1, q2, q3, q_pe, DR: tl.constexpr, DSPLIT: tl.constexpr, DTYPE: tl.constexpr):
+    """The query's fp32 column groups (and q_pe) scaled per row to a largest magnitude near 2^14 and cast to DTYPE:
+    in fp16 they then neither overflow (65504) nor lose small entries. Also the factor that undoes the scaling
+    ([rows] fp32)."""
     amax = tl.max(tl.abs(q0), axis=1)
     if DSPLIT > 1:
         amax = tl.maximum(amax, tl.max(tl.abs(q1), axis=1))
@@ -81,7 +74,7 @@ def scaled_rows(q0, q1, q2, q3, q_pe, DR: tl.constexpr, DSPLIT: tl.constexpr, DT
         amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(q2), axis=1), tl.max(tl.abs(q3), axis=1)))
     if DR > 0:
         amax = tl.maximum(amax, tl.max(tl.abs(q_pe), axis=1))
-    f = tl.where(amax > 0, tl.exp2(TOP - tl.ceil(tl.log2(tl.where(amax > 0, amax, 1.0)))), 1.0)
+    f = tl.where(amax > 0, tl.exp2(14.0 - tl.ceil(tl.log2(tl.where(amax > 0, amax, 1.0)))), 1.0)
     fc = f[:, None]
     q0, q1, q2, q3, q_pe = q0 * fc, q1 * fc, q2 * fc, q3 * fc, q_pe * fc
     return q0.to(DTYPE), q1.to(DTYPE), q2.to(DTYPE), q3.to(DTYPE), q_pe.to(DTYPE), 1.0 / f

@@ -41,8 +41,7 @@ class Schedule(NamedTuple):
     does), and wgmma: run a Gluon warpgroup-MMA kernel where it can serve the call instead of the Triton one:
     `decode_wgmma` for a 16-bit cache (see `decode._wgmma_ok`: 64 tile rows, Hopper), `decode_fp8_wgmma` for an
     fp8 one (see `decode._fp8_wgmma_ok`: 16 or 32 tile rows, Hopper; its own 64-key tiles in two fp16 buffers, so
-    of the rest only min_waves and min_split_tiles apply to it), and fp8_mma: an fp8 cache's Triton kernel computes
-    with e4m3 operands (q and P quantised, see `decode_fp8`) where the GPU's dot takes them (sm_89 and newer)."""
+    of the rest only min_waves and min_split_tiles apply to it)."""
 
     block_n: int
     num_warps: int
@@ -53,7 +52,6 @@ class Schedule(NamedTuple):
     tma: bool = False
     d_split: int = 1
     wgmma: bool = False
-    fp8_mma: bool = False
 
 
 # By (KV element bytes, tile rows), the best of scripts/tune_mla_decode.py on an H200 (D=576, b=128, mean
