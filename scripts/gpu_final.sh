@@ -2,7 +2,7 @@
 # The closing GPU run of a session, in one device call: the step limits add up to 545 s (the tool allows 600):
 #   1. the carried wheels (fla) into /tmp/site;
 #   2. the 27-layer e2e grid with transformers' KimiLinear, most important cases first, --budget-s 205;
-#   3. the speculative benchmark (plain and DSpark, k = 5 and 7, batch 1);
+#   3. the speculative benchmark (plain and DSpark at k = 5, batch 1, three alternating runs);
 #   4. fp8 against bf16 MLA decode (b = 1 and 128, 16 heads, 8k keys);
 #   5. the GPU tests in two groups (the prefill's conv, MoE and KDA kernels first, then speculative decoding and the
 #      engine's CUDA graphs);
@@ -32,7 +32,7 @@ fi
 export PYTHONPATH=$PWD:/tmp/site
 
 step e2e 235 python3 scripts/bench_e2e.py --budget-s 205 --out "$OUT/e2e.jsonl"
-step spec 95 python3 scripts/bench_spec.py --methods plain dspark --k 5 7 --batch-sizes 1 --out "$OUT/spec.jsonl"
+step spec 95 python3 scripts/bench_spec.py --methods plain dspark --k 5 --batch-sizes 1 --repeats 3 --out "$OUT/spec.jsonl"
 step mla-fp8 40 python3 scripts/bench_mla.py --b 1 128 --h 16 --s-q 1 --s-k 8192 --kv bf16 fp8 \
   --backends triton --out "$OUT"
 step tests-prefill-kernels 80 timeout -s INT 75 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
