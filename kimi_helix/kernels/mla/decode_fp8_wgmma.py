@@ -173,51 +173,25 @@ def _dequant_partition(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, strid
 
 
 @gluon.jit
-def _tile_page(pages_ptr, tile_lo, hi, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, ROWS: gl.constexpr,
-               layout: gl.constexpr):  # fmt: skip
-    """The page of the TILE_N-key tile at tile_lo where pages hold whole tiles (PAGE_SIZE a multiple of TILE_N;
-    tiles start at multiples of TILE_N), 0 past hi, repeated [ROWS] in layout; 0 unread where they do not (each
-    key's page is looked up then). Loaded apart from the row loads that use it, so that its latency hides behind
-    other work, and as a vector: a scalar goes to a uniform register, and that move waits for the load at once."""
-    k = gl.arange(0, ROWS, layout=layout)
-    if PAGE_SIZE % TILE_N == 0:
-        return gl.load(pages_ptr + tile_lo // PAGE_SIZE + k * 0, mask=tile_lo < hi, other=0)
-    else:
-        return k * 0
-
-
-@gluon.jit
-def _fetch(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo, pages, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
+def _fetch(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
            TILE_N: gl.constexpr, ROWS: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, c_layout: gl.constexpr,
            pe_layout: gl.constexpr, ks_layout: gl.constexpr):  # fmt: skip
     """The raw rows [tile_lo + key0, + ROWS) of the TILE_N-key tile at tile_lo, as `_load_tile` returns them. Where
-    pages hold whole tiles, pages are the tile's (`_tile_page` in the row layouts of c, pe and the scales) and the
-    rows are consecutive slots of it. Else each part looks its keys' pages up one by one."""
+    pages hold whole tiles (PAGE_SIZE a multiple of TILE_N; tiles start at multiples of TILE_N) the tile's page is
+    one scalar load shared by the three parts, else each part looks its keys' pages up one by one."""
     if PAGE_SIZE % TILE_N == 0:
-        page_c, page_pe, page_ks = pages
-        slot0 = tile_lo % PAGE_SIZE + key0
-        visible = hi - tile_lo - key0  # rows below this are keys below hi
-        k = gl.arange(0, ROWS, layout=gl.SliceLayout(1, c_layout))
-        rows = kv_ptr + page_c.to(gl.int64) * stride_kvp + (slot0 + k) * stride_kvs
-        c = _load_cols(rows, k < visible, 0, DC, c_layout)
-        k = gl.arange(0, ROWS, layout=gl.SliceLayout(1, pe_layout))
-        rows = kv_ptr + page_pe.to(gl.int64) * stride_kvp + (slot0 + k) * stride_kvs
-        pe = _load_cols(rows, k < visible, DC, DR, pe_layout)
-        k = gl.arange(0, ROWS, layout=ks_layout)
-        ks = gl.load(kv_scale_ptr + page_ks.to(gl.int64) * PAGE_SIZE + slot0 + k, mask=k < visible, other=0.0)
+        page = gl.load(pages_ptr + tile_lo // PAGE_SIZE, mask=tile_lo < hi, other=0).to(gl.int64)
+        row0 = kv_ptr + page * stride_kvp
+        n = tile_lo + key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, c_layout))
+        c = _load_cols(row0 + (n % PAGE_SIZE) * stride_kvs, n < hi, 0, DC, c_layout)
+        n = tile_lo + key0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, pe_layout))
+        pe = _load_cols(row0 + (n % PAGE_SIZE) * stride_kvs, n < hi, DC, DR, pe_layout)
+        n = tile_lo + key0 + gl.arange(0, ROWS, layout=ks_layout)
+        ks = gl.load(kv_scale_ptr + page * PAGE_SIZE + n % PAGE_SIZE, mask=n < hi, other=0.0)
     else:
         c, pe, ks = _load_tile(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo + key0, hi, stride_kvp, stride_kvs, PAGE_SIZE,
                                ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
     return c, pe, ks
-
-
-@gluon.jit
-def _fetch_pages(pages_ptr, tile_lo, hi, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, ROWS: gl.constexpr,
-                 c_layout: gl.constexpr, pe_layout: gl.constexpr, ks_layout: gl.constexpr):  # fmt: skip
-    """`_tile_page` in the three row layouts of `_fetch`."""
-    return (_tile_page(pages_ptr, tile_lo, hi, PAGE_SIZE, TILE_N, ROWS, gl.SliceLayout(1, c_layout)),
-            _tile_page(pages_ptr, tile_lo, hi, PAGE_SIZE, TILE_N, ROWS, gl.SliceLayout(1, pe_layout)),
-            _tile_page(pages_ptr, tile_lo, hi, PAGE_SIZE, TILE_N, ROWS, ks_layout))  # fmt: skip
 
 
 @gluon.jit
@@ -241,54 +215,23 @@ def _fill(
         mbarrier.arrive(kv_ready.index(stage), count=1)
 
 
-# The lines `_prefetch_l2` asks for: eight a row, [rows, 8].
-PREFETCH_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0]))
-
-
 @gluon.jit
-def _prefetch_l2(kv_ptr, pages_ptr, tile_lo, page, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr,
-                 TILE_N: gl.constexpr, ROWS: gl.constexpr, ROW_BYTES: gl.constexpr):  # fmt: skip
-    """Ask L2 for the cache rows of keys [tile_lo + key0, + ROWS) below hi (page: `_tile_page`'s, as for `_fetch`):
-    every 128-byte line of each row (its line starts and its last byte, eight addresses a row), into no register.
-    The register loads that follow hit L2 and wait out its latency instead of the memory's."""
+def _prefetch_l2(kv_ptr, pages_ptr, tile_lo, hi, stride_kvp, stride_kvs, PAGE_SIZE: gl.constexpr, ROWS: gl.constexpr,
+                 ROW_BYTES: gl.constexpr):  # fmt: skip
+    """Ask L2 for the cache rows of keys [tile_lo, tile_lo + ROWS) below hi: every 128-byte line of each row (its
+    line starts and its last byte, eight addresses a row), into no register. The register loads that follow hit L2
+    and wait out its latency instead of the memory's."""
     gl.static_assert(ROW_BYTES <= 768, "eight addresses cover the lines of a row of at most 768 bytes")
-    layout: gl.constexpr = PREFETCH_LAYOUT
-    k = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    ok = k < hi - tile_lo - key0
-    if PAGE_SIZE % TILE_N == 0:
-        row = kv_ptr + page.to(gl.int64) * stride_kvp + (tile_lo % PAGE_SIZE + key0 + k) * stride_kvs
-    else:
-        n = tile_lo + key0 + k
-        row_page = gl.load(pages_ptr + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
-        row = kv_ptr + row_page * stride_kvp + (n % PAGE_SIZE) * stride_kvs
+    layout: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])
+    n = tile_lo + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    ok = n < hi
+    page = gl.load(pages_ptr + n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
+    row = kv_ptr + page * stride_kvp + (n % PAGE_SIZE) * stride_kvs
     line = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, layout)) * 128, ROW_BYTES - 1)
     gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
         [row[:, None] + line[None, :], gl.where(ok, 1, 0)[:, None] + line[None, :] * 0], dtype=gl.int32,
         is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _turn(c, pe, ks, t, kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-          ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-          LOOKAHEAD: gl.constexpr, KEY0: gl.constexpr, ROWS: gl.constexpr, PREFETCH: gl.constexpr,
-          c_layout: gl.constexpr, pe_layout: gl.constexpr, ks_layout: gl.constexpr):  # fmt: skip
-    """Tile t's turn in `_dequant_rotating`: convert its raw rows (c, pe, ks) into its fp16 buffer, then load tile
-    t + LOOKAHEAD's rows in their place and ask L2 for tile t + LOOKAHEAD + PREFETCH's. Both tiles' pages are read
-    before the conversion, so that the row addresses do not wait on them. Returns the new raw rows."""
-    DC: gl.constexpr = c_smem.shape[2]
-    DR: gl.constexpr = pe_smem.shape[2]
-    ahead = lo + (t + LOOKAHEAD) * BLOCK_N
-    pages = _fetch_pages(pages_ptr, ahead, hi, PAGE_SIZE, BLOCK_N, ROWS, c_layout, pe_layout, ks_layout)
-    far = ahead + PREFETCH * BLOCK_N
-    far_page = _tile_page(pages_ptr, far, hi, PAGE_SIZE, BLOCK_N, ROWS, gl.SliceLayout(1, PREFETCH_LAYOUT))
-    _fill(c, pe, ks, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, KEY0, NUM_STAGES)
-    c, pe, ks = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, ahead, pages, KEY0, hi, stride_kvp, stride_kvs, PAGE_SIZE,
-                       BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
-    if PREFETCH > 0:
-        _prefetch_l2(kv_ptr, pages_ptr, far, far_page, KEY0, hi, stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS,
-                     DC + DR)  # fmt: skip
-    return c, pe, ks
 
 
 @gluon.jit
@@ -309,34 +252,39 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
     c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 16 // DC, DC // 16], [4, 1], [1, 0])
     pe_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 16 // DR, DR // 16], [4, 1], [1, 0])
     ks_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    pages = _fetch_pages(pages_ptr, lo, hi, PAGE_SIZE, BLOCK_N, ROWS, c_layout, pe_layout, ks_layout)
-    c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo, pages, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE,
+    c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N,
+                          ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + BLOCK_N, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE,
                           BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
-    pages = _fetch_pages(pages_ptr, lo + BLOCK_N, hi, PAGE_SIZE, BLOCK_N, ROWS, c_layout, pe_layout, ks_layout)
-    c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + BLOCK_N, pages, key0, hi, stride_kvp, stride_kvs,
-                          PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
     if LOOKAHEAD == 3:
-        pages = _fetch_pages(pages_ptr, lo + 2 * BLOCK_N, hi, PAGE_SIZE, BLOCK_N, ROWS, c_layout, pe_layout,
-                             ks_layout)  # fmt: skip
-        c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + 2 * BLOCK_N, pages, key0, hi, stride_kvp,
-                              stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
-    for u in gl.static_range(PREFETCH):  # then each turn of tile u asks L2 for tile u + LOOKAHEAD + PREFETCH
-        tile = lo + (LOOKAHEAD + u) * BLOCK_N
-        page = _tile_page(pages_ptr, tile, hi, PAGE_SIZE, BLOCK_N, ROWS, gl.SliceLayout(1, PREFETCH_LAYOUT))
-        _prefetch_l2(kv_ptr, pages_ptr, tile, page, key0, hi, stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS,
-                     DC + DR)  # fmt: skip
+        c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + 2 * BLOCK_N, key0, hi, stride_kvp, stride_kvs,
+                              PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout, ks_layout)  # fmt: skip
+    for u in gl.static_range(PREFETCH):  # then each fetch of tile u asks L2 for tile u + PREFETCH
+        _prefetch_l2(kv_ptr, pages_ptr, lo + (LOOKAHEAD + u) * BLOCK_N + key0, hi, stride_kvp, stride_kvs,
+                     PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
     for t in range(0, num_tiles, LOOKAHEAD):
-        c0, pe0, ks0 = _turn(c0, pe0, ks0, t, kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp,
-                             stride_kvs, c_smem, pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES,
-                             LOOKAHEAD, key0, ROWS, PREFETCH, c_layout, pe_layout, ks_layout)  # fmt: skip
-        c1, pe1, ks1 = _turn(c1, pe1, ks1, t + 1, kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp,
-                             stride_kvs, c_smem, pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES,
-                             LOOKAHEAD, key0, ROWS, PREFETCH, c_layout, pe_layout, ks_layout)  # fmt: skip
+        _fill(c0, pe0, ks0, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
+        c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + LOOKAHEAD) * BLOCK_N, key0, hi, stride_kvp,
+                              stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
+                              ks_layout)  # fmt: skip
+        if PREFETCH > 0:
+            _prefetch_l2(kv_ptr, pages_ptr, lo + (t + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
+                         stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
+        _fill(c1, pe1, ks1, t + 1, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
+        c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD) * BLOCK_N, key0, hi,
+                              stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
+                              ks_layout)  # fmt: skip
+        if PREFETCH > 0:
+            _prefetch_l2(kv_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
+                         stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
         if LOOKAHEAD == 3:
-            c2, pe2, ks2 = _turn(c2, pe2, ks2, t + 2, kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp,
-                                 stride_kvs, c_smem, pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N,
-                                 NUM_STAGES, LOOKAHEAD, key0, ROWS, PREFETCH, c_layout, pe_layout,
-                                 ks_layout)  # fmt: skip
+            _fill(c2, pe2, ks2, t + 2, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
+            c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 2 + LOOKAHEAD) * BLOCK_N, key0, hi,
+                                  stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
+                                  ks_layout)  # fmt: skip
+            if PREFETCH > 0:
+                _prefetch_l2(kv_ptr, pages_ptr, lo + (t + 2 + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
+                             stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
 
 
 # One wrapper per dequant warpgroup: warp_specialize takes a function per partition, each with its part of a
