@@ -165,8 +165,8 @@ def _dequant_partition(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, strid
         _store_fp16(c, c_smem.index(stage))
         _store_fp16(pe, pe_smem.index(stage))
         ks_smem.index(stage).store(ks)
-        # Written by ordinary stores, read by the tensor cores: the MMA warpgroup fences the proxies once it has the
-        # buffer (`_scores_async`). A fence here would wait for this thread's raw-tile loads in flight.
+        # Written by ordinary stores, read by the tensor cores: fenced in every writing thread before the barrier.
+        fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(kv_ready.index(stage), count=1)
         c, pe, ks = c_next, pe_next, ks_next
@@ -209,8 +209,8 @@ def _fill(
             ks_smem.index(stage).store(ks)
         else:
             ks_smem.index(stage).slice(KEY0, ks.shape[0]).store(ks)
-        # Written by ordinary stores, read by the tensor cores: the MMA warpgroup fences the proxies once it has the
-        # buffer (`_scores_async`). A fence here would wait for this thread's raw-tile loads in flight.
+        # Written by ordinary stores, read by the tensor cores: fenced in every writing thread before the barrier.
+        fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(kv_ready.index(stage), count=1)
 
@@ -320,10 +320,6 @@ def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, acc_layout: gl
     # MMA descriptors (one a K step, 64-bit) out of the tile loop and spills them.
     zero = t // 1073741824
     mbarrier.wait(kv_ready.index(stage), (t // NUM_STAGES) & 1)
-    # The dequant warpgroup wrote the buffer by ordinary stores; a proxy fence anywhere between those stores and
-    # these MMAs' reads orders them (PTX memory model). Here, not in the writers: it compiles to MEMBAR.ALL.CTA,
-    # which waits for all of the executing thread's loads in flight, and the writers keep raw tiles in flight.
-    fence_async_shared()
     s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     s = warpgroup_mma(pe_smem.index(stage), qpe_smem.index(zero).permute((1, 0)), s, use_acc=False, is_async=True)
     return warpgroup_mma(c_smem.index(stage), q_smem.index(zero).permute((1, 0)), s, is_async=True)
