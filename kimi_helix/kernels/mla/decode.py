@@ -427,9 +427,6 @@ def _wgmma_ok(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, cfg: d
     )
 
 
-FP8_WGMMA_DEQUANT_REGS = FP8_WGMMA.dequant_regs
-
-
 def _fp8_wgmma_ok(q, kv_cache, kv_lora_rank: int, cfg: dict, sched: Schedule) -> bool:
     """Whether the fp8-cache Gluon kernel (`decode_fp8_wgmma`) can serve the call: sm_90, an fp8 cache with fp16 or
     bf16 q, 16 or 32 tile rows, the schedule's split arithmetic on the kernel's own 64-key tiles, an O^T of whole
