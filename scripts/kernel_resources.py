@@ -176,25 +176,24 @@ def mla_wgmma_case(block_n: int, num_stages: int, page_size: int = 64, longest_f
 
 
 def mla_fp8_wgmma_case(rows: int, block_h: int | None = None, page_size: int = 64, split: bool = True,
-                       longest_first: bool = False, regs: int | None = None, params=None) -> tuple:  # fmt: skip
+                       longest_first: bool = False, stages: int = 2, regs: int | None = None,
+                       params=None) -> tuple:  # fmt: skip
     """The fp8-cache Gluon MLA decode kernel (`decode_fp8_wgmma`: e4m3 latents, bf16 q, kv_lora_rank 512, rope 64)
-    at `rows` tile rows (block_h heads a tile, default all of them), as a case of `main`'s table: split KV (fp32
-    partials) or one split (bf16 out), sequences in order or longest first. params: the dequant side's and the
-    buffers' `decode.Fp8WgmmaParams` (default: the committed `decode.FP8_WGMMA`), buffers as the launcher takes
-    them; regs overrides its registers."""
+    at `rows` tile rows (block_h heads a tile, default all of them) and `stages` fp16 buffers, as a case of `main`'s
+    table: split KV (fp32 partials) or one split (bf16 out), sequences in order or longest first. params: the
+    dequant side's `decode.Fp8WgmmaParams` (default: the committed `decode.FP8_WGMMA`); regs overrides its
+    registers."""
     from kimi_helix.kernels.mla import decode_fp8_wgmma as k
 
     block_h = block_h or rows
     params = params or decode.FP8_WGMMA
     regs = regs or params.dequant_regs
-    stages, rope_stages = decode._fp8_wgmma_buffers(rows, 512, 64, params)
     c = dict(PAGE_SIZE=page_size, DC=512, DR=64, BLOCK_H=block_h, BLOCK_Q=rows // block_h, SEQS_POW2=256,
              USE_KV_BOUNDS=False, SPLIT=split, LONGEST_FIRST=longest_first, BLOCK_N=k.BLOCK_N, NUM_STAGES=stages,
-             PE_STAGES=rope_stages, DEQUANT_REGS=regs, LOOKAHEAD=params.lookahead,
-             DEQUANT_WGS=params.dequant_warpgroups, PREFETCH=params.l2_prefetch)  # fmt: skip
+             DEQUANT_REGS=regs, LOOKAHEAD=params.lookahead, DEQUANT_WGS=params.dequant_warpgroups,
+             PREFETCH=params.l2_prefetch)  # fmt: skip
     order = ("split KV" if split else "one split") + (", longest first" if longest_first else "")
-    name = f"mla decode fp8 KV, {rows} rows ({block_h} heads) x {k.BLOCK_N} keys, {stages} buffers "
-    name += f"({rope_stages} rope), {order}, Gluon "
+    name = f"mla decode fp8 KV, {rows} rows ({block_h} heads) x {k.BLOCK_N} keys, {stages} buffers, {order}, Gluon "
     name += f"wgmma swap-AB ({params.dequant_warpgroups} dequant warpgroup(s) at {regs} regs, "
     name += f"{params.lookahead} tiles ahead" + (f", L2 {params.l2_prefetch} further)" if params.l2_prefetch else ")")
     overrides = {"kv_ptr": "*fp8e4nv", "out_ptr": "*fp32" if split else "*bf16"}

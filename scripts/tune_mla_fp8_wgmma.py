@@ -7,13 +7,13 @@ the split target (the (1, 16) Schedule's min_waves), each checked against the to
     python scripts/tune_mla_fp8_wgmma.py --print-sm90               # compile each variant for sm_90 here, no GPU:
                                                                     # registers, spills, shared memory
 
-A variant is lookahead,warpgroups,regs,min_waves[,l2_prefetch[,stages,rope_stages]] ("triton,min_waves" times the
-Triton fp8 kernel instead). Phase 1 runs every variant once in its own process (--jobs at a time, each killed after
---variant-timeout seconds, so a variant that hangs or fails is recorded, not fatal): Triton compiles and caches it,
-and its output on the first block table is compared with `naive.mla_decode_ref` (max |out - ref| / max |ref|, lse
-likewise). Phase 2 times the variants that passed, one process, the cases in turn, stopped at --budget seconds from
-the start. One JSON object a variant and case goes to <out>/tune_mla_fp8_wgmma.jsonl (phase "check", then "time");
-the table is printed last.
+A variant is lookahead,warpgroups,regs,min_waves[,l2_prefetch] ("triton,min_waves" times the Triton fp8 kernel
+instead). Phase 1 runs every variant once in its own process (--jobs at a time, each killed after --variant-timeout
+seconds, so a variant that hangs or fails is recorded, not fatal): Triton compiles and caches it, and its output on
+the first block table is compared with `naive.mla_decode_ref` (max |out - ref| / max |ref|, lse likewise). Phase 2
+times the variants that passed, one process, the cases in turn, stopped at --budget seconds from the start. One JSON
+object a variant and case goes to <out>/tune_mla_fp8_wgmma.jsonl (phase "check", then "time"); the table is printed
+last.
 """
 
 from __future__ import annotations
@@ -30,15 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kimi_helix, in the workers too
 
 CASES = [(128, 16, 1, 8192), (1, 16, 1, 8192)]  # (b, h, s_q, mean s_k), an fp8 cache, bf16 q
-# lookahead, dequant warpgroups, their registers, min_waves, L2 prefetch distance, latent and rope buffers; the
-# committed one first. Each compiles for sm_90 without spills (--print-sm90); lookahead 3 spills at both warpgroup
-# counts, 2 warpgroups above 128 registers spill the MMA warpgroup (it gets 512 - 2 x regs).
+# lookahead, dequant warpgroups, their registers, min_waves, L2 prefetch distance; the committed one first. Each
+# compiles for sm_90 without spills (--print-sm90); lookahead 3 spills at both warpgroup counts, 2 warpgroups above
+# 128 registers spill the MMA warpgroup (it gets 512 - 2 x regs).
 VARIANTS = [
     "2,1,232,4,2",
-    "2,1,232,4,2,3,1",
-    "2,1,232,4,0,3,1",
-    "2,1,232,4,4,3,1",
-    "2,1,232,2,2,3,1",
     "2,1,232,4",
     "2,1,232,4,1",
     "2,1,232,4,4",
@@ -55,10 +51,9 @@ def parse_variant(text: str) -> tuple:
     parts = text.split(",")
     if parts[0] == "triton" and len(parts) == 2 and parts[1].isdigit():
         return ("triton", int(parts[1]))
-    if len(parts) not in (4, 5, 7) or not all(p.isdigit() for p in parts):
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not lookahead,warpgroups,regs,min_waves[,l2_prefetch[,stages,rope_stages]] or "
-            "triton,min_waves"
+            f"{text!r} is not lookahead,warpgroups,regs,min_waves[,l2_prefetch] or triton,min_waves"
         )
     return tuple(int(p) for p in parts)
 
@@ -71,8 +66,8 @@ def _apply(variant) -> None:
     if variant[0] == "triton":
         decode.SCHEDULES[key] = decode.TRITON_FP8_SCHEDULES[key]._replace(min_waves=variant[1])
         return
-    la, wgs, regs, waves, *rest = variant
-    decode.FP8_WGMMA = decode.Fp8WgmmaParams(la, wgs, regs, *rest)
+    la, wgs, regs, waves, *prefetch = variant
+    decode.FP8_WGMMA = decode.Fp8WgmmaParams(la, wgs, regs, *prefetch)
     decode.SCHEDULES[key] = decode.SCHEDULES[key]._replace(wgmma=True, min_waves=waves)
 
 

@@ -446,19 +446,8 @@ def _fp8_wgmma_ok(q, kv_cache, kv_lora_rank: int, cfg: dict, sched: Schedule) ->
         and rope >= 16
         and kv_cache.shape[2] % 16 == 0
         and kv_cache.data_ptr() % 16 == 0
-        and decode_fp8_wgmma.fp8_wgmma_smem(rows, kv_lora_rank, rope, 2, 2) <= _WGMMA_SMEM
+        and decode_fp8_wgmma.fp8_wgmma_smem(rows, kv_cache.shape[2], 2) <= _WGMMA_SMEM
     )
-
-
-def _fp8_wgmma_buffers(
-    rows: int, kv_lora_rank: int, rope: int, params: Fp8WgmmaParams | None = None
-) -> tuple[int, int]:
-    """The fp8 Gluon kernel's (latent, rope) fp16 buffers: those of params (default FP8_WGMMA) where they fit in
-    shared memory beside q's rows, else two of each (what `_fp8_wgmma_ok` checked)."""
-    params = params or FP8_WGMMA
-    asked = params.stages, params.rope_stages
-    fits = decode_fp8_wgmma.fp8_wgmma_smem(rows, kv_lora_rank, rope, *asked) <= _WGMMA_SMEM
-    return asked if fits else (2, 2)
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
@@ -568,14 +557,13 @@ def mla_decode_triton(
     grid = (slots * num_head_blocks * splits,)
     longest_first = _longest_first(splits, N, grid[0], q.device.index)
     if use_fp8_wgmma:
-        stages, rope_stages = _fp8_wgmma_buffers(cfg["BLOCK_Q"] * cfg["BLOCK_H"], kv_lora_rank, D - kv_lora_rank)
         decode_fp8_wgmma.mla_decode_fp8_wgmma_kernel[grid](
             q, kv_cache, kv_scale, block_table, cache_seqlens, cu_seqlens_q, kv_bounds, part_out, part_lse, qk_scale,
             N, H, num_head_blocks, splits, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             block_table.stride(0), PAGE_SIZE=page_size, DC=kv_lora_rank, DR=D - kv_lora_rank, BLOCK_H=cfg["BLOCK_H"],
             BLOCK_Q=cfg["BLOCK_Q"], SEQS_POW2=next_pow2(N + 1), USE_KV_BOUNDS=kv_bounds is not None, SPLIT=splits > 1,
-            LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=stages,
-            PE_STAGES=rope_stages, DEQUANT_REGS=FP8_WGMMA.dequant_regs, LOOKAHEAD=FP8_WGMMA.lookahead,
+            LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=2,
+            DEQUANT_REGS=FP8_WGMMA.dequant_regs, LOOKAHEAD=FP8_WGMMA.lookahead,
             DEQUANT_WGS=FP8_WGMMA.dequant_warpgroups, PREFETCH=FP8_WGMMA.l2_prefetch,
             num_warps=4,  # the MMA warpgroup; the kernel adds the others
         )  # fmt: skip

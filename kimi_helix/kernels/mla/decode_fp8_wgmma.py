@@ -58,12 +58,10 @@ else:
 BLOCK_N = 64
 
 
-def fp8_wgmma_smem(rows: int, kv_lora_rank: int, rope_dim: int, stages: int, rope_stages: int) -> int:
-    """Bytes of shared memory the kernel allocates for its tiles: q [rows, kv_lora_rank + rope_dim], the fp16 key
-    tiles' latent parts [stages, BLOCK_N, kv_lora_rank] and rope parts [rope_stages, BLOCK_N, rope_dim] and P^T
-    [BLOCK_N, rows], 16-bit, and the key scales [stages, BLOCK_N], fp32."""
-    tiles = stages * kv_lora_rank + rope_stages * rope_dim
-    return 2 * (rows * (kv_lora_rank + rope_dim) + BLOCK_N * tiles + BLOCK_N * rows) + 4 * stages * BLOCK_N
+def fp8_wgmma_smem(rows: int, head_dim: int, stages: int) -> int:
+    """Bytes of shared memory the kernel allocates for its tiles: q [rows, head_dim], the fp16 key tiles
+    [stages, BLOCK_N, head_dim] and P^T [BLOCK_N, rows], 16-bit, and the key scales, fp32."""
+    return 2 * (rows + stages * BLOCK_N) * head_dim + 2 * BLOCK_N * rows + 4 * stages * BLOCK_N
 
 
 @gluon.jit
@@ -197,26 +195,20 @@ def _fetch(kv_ptr, kv_scale_ptr, pages_ptr, tile_lo, key0, hi, stride_kvp, strid
 
 
 @gluon.jit
-def _fill(c, pe, ks, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, pe_free, KEY0: gl.constexpr,
-          NUM_STAGES: gl.constexpr, PE_STAGES: gl.constexpr):  # fmt: skip
-    """Convert the raw rows of tile t (if it is one of the split's) into their rows of t's fp16 buffers once the
-    MMA warpgroup has freed them, and signal the buffer's barrier (one arrival per dequant warpgroup). With fewer
-    rope buffers than latent ones, the rope part waits for its own buffer, freed once the scores that read it
-    are done: the latent part goes in first, while P @ c still reads the buffer before."""
+def _fill(
+    c, pe, ks, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, KEY0: gl.constexpr, NUM_STAGES: gl.constexpr
+):
+    """Convert the raw rows of tile t (if it is one of the split's) into their rows of t's fp16 buffer once the
+    MMA warpgroup has freed it, and signal the buffer's barrier (one arrival per dequant warpgroup)."""
     if t < num_tiles:
         stage = t % NUM_STAGES
         mbarrier.wait(kv_free.index(stage), ((t - NUM_STAGES) // NUM_STAGES) & 1, pred=t >= NUM_STAGES)
         _store_fp16_rows(c, c_smem.index(stage), KEY0)
+        _store_fp16_rows(pe, pe_smem.index(stage), KEY0)
         if ks.shape[0] == ks_smem.shape[1]:
             ks_smem.index(stage).store(ks)
         else:
             ks_smem.index(stage).slice(KEY0, ks.shape[0]).store(ks)
-        if PE_STAGES < NUM_STAGES:
-            pe_stage = t % PE_STAGES
-            mbarrier.wait(pe_free.index(pe_stage), ((t - PE_STAGES) // PE_STAGES) & 1, pred=t >= PE_STAGES)
-            _store_fp16_rows(pe, pe_smem.index(pe_stage), KEY0)
-        else:
-            _store_fp16_rows(pe, pe_smem.index(stage), KEY0)
         # Written by ordinary stores, read by the tensor cores: fenced in every writing thread before the barrier.
         fence_async_shared()
         _cta_barrier()
@@ -244,9 +236,9 @@ def _prefetch_l2(kv_ptr, pages_ptr, tile_lo, hi, stride_kvp, stride_kvs, PAGE_SI
 
 @gluon.jit
 def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                      ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, PE_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                      PART: gl.constexpr, PARTS: gl.constexpr, PREFETCH: gl.constexpr):  # fmt: skip
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PART: gl.constexpr, PARTS: gl.constexpr,
+                      PREFETCH: gl.constexpr):  # fmt: skip
     """`_dequant_partition` with LOOKAHEAD (2 or 3) tiles' loads in flight, for this warpgroup's BLOCK_N / PARTS
     keys of each tile (the PART-th share). The tile loop is unrolled LOOKAHEAD times so that each raw tile keeps
     its own registers: a tile's registers are reloaded (with the tile LOOKAHEAD further on) only once converted,
@@ -271,16 +263,14 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
         _prefetch_l2(kv_ptr, pages_ptr, lo + (LOOKAHEAD + u) * BLOCK_N + key0, hi, stride_kvp, stride_kvs,
                      PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
     for t in range(0, num_tiles, LOOKAHEAD):
-        _fill(c0, pe0, ks0, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, pe_free, key0,
-              NUM_STAGES, PE_STAGES)  # fmt: skip
+        _fill(c0, pe0, ks0, t, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
         c0, pe0, ks0 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + LOOKAHEAD) * BLOCK_N, key0, hi, stride_kvp,
                               stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
                               ks_layout)  # fmt: skip
         if PREFETCH > 0:
             _prefetch_l2(kv_ptr, pages_ptr, lo + (t + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
                          stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
-        _fill(c1, pe1, ks1, t + 1, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, pe_free, key0,
-              NUM_STAGES, PE_STAGES)  # fmt: skip
+        _fill(c1, pe1, ks1, t + 1, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
         c1, pe1, ks1 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD) * BLOCK_N, key0, hi,
                               stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
                               ks_layout)  # fmt: skip
@@ -288,8 +278,7 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
             _prefetch_l2(kv_ptr, pages_ptr, lo + (t + 1 + LOOKAHEAD + PREFETCH) * BLOCK_N + key0, hi, stride_kvp,
                          stride_kvs, PAGE_SIZE, ROWS, DC + DR)  # fmt: skip
         if LOOKAHEAD == 3:
-            _fill(c2, pe2, ks2, t + 2, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, pe_free, key0,
-                  NUM_STAGES, PE_STAGES)  # fmt: skip
+            _fill(c2, pe2, ks2, t + 2, num_tiles, c_smem, pe_smem, ks_smem, kv_ready, kv_free, key0, NUM_STAGES)
             c2, pe2, ks2 = _fetch(kv_ptr, kv_scale_ptr, pages_ptr, lo + (t + 2 + LOOKAHEAD) * BLOCK_N, key0, hi,
                                   stride_kvp, stride_kvs, PAGE_SIZE, BLOCK_N, ROWS, DC, DR, c_layout, pe_layout,
                                   ks_layout)  # fmt: skip
@@ -302,29 +291,28 @@ def _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride
 # tile's keys as a constant.
 @gluon.jit
 def _dequant_part0(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                   ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, PE_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr,
+                   ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr,
                    PREFETCH: gl.constexpr):  # fmt: skip
     _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                      ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, PE_STAGES, LOOKAHEAD,
-                      0, PARTS, PREFETCH)  # fmt: skip
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 0, PARTS,
+                      PREFETCH)  # fmt: skip
 
 
 @gluon.jit
 def _dequant_part1(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                   ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, PE_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr,
+                   ks_smem, kv_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, PARTS: gl.constexpr,
                    PREFETCH: gl.constexpr):  # fmt: skip
     _dequant_rotating(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem, pe_smem,
-                      ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, PE_STAGES, LOOKAHEAD,
-                      1, PARTS, PREFETCH)  # fmt: skip
+                      ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD, 1, PARTS,
+                      PREFETCH)  # fmt: skip
 
 
 @gluon.jit
-def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, acc_layout: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  PE_STAGES: gl.constexpr):  # fmt: skip
+def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, acc_layout: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Issue S^T = pe qpe^T + c q^T for tile t ([BLOCK_N, rows] fp32, two MMA groups, not waited for) once the
-    tile's fp16 buffers are filled."""
+    tile's fp16 buffer is filled."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     stage = t % NUM_STAGES
@@ -333,8 +321,7 @@ def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, acc_layout: gl
     zero = t // 1073741824
     mbarrier.wait(kv_ready.index(stage), (t // NUM_STAGES) & 1)
     s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
-    s = warpgroup_mma(pe_smem.index(t % PE_STAGES), qpe_smem.index(zero).permute((1, 0)), s, use_acc=False,
-                      is_async=True)  # fmt: skip
+    s = warpgroup_mma(pe_smem.index(stage), qpe_smem.index(zero).permute((1, 0)), s, use_acc=False, is_async=True)
     return warpgroup_mma(c_smem.index(stage), q_smem.index(zero).permute((1, 0)), s, is_async=True)
 
 
@@ -361,18 +348,9 @@ def _weights(s, ks, n, tile_lo, bound, bound_min, row_scale, m_i, d_i, l_keys):
 
 
 @gluon.jit
-def _release_rope(pe_free, t, NUM_STAGES: gl.constexpr, PE_STAGES: gl.constexpr):
-    """With rope buffers of their own (fewer than the latent ones), free tile t's once its scores, their only
-    reader, are done (waited for by every warp of the warpgroup)."""
-    if PE_STAGES < NUM_STAGES:
-        _cta_barrier()
-        mbarrier.arrive(pe_free.index(t % PE_STAGES), count=1)
-
-
-@gluon.jit
-def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, pe_free, bound, bound_min,
-                   row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, PE_STAGES: gl.constexpr):  # fmt: skip
+def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min, row_scale,
+                   out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):  # fmt: skip
     """Scores, softmax and O^T for every tile of the split; writes out and lse."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -386,8 +364,7 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready,
     s = l_keys
     if num_tiles > 0:
         s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, 0, acc_layout,
-                                                      NUM_STAGES, PE_STAGES),))  # fmt: skip
-        _release_rope(pe_free, 0, NUM_STAGES, PE_STAGES)
+                                                      NUM_STAGES),))  # fmt: skip
     for i in range(num_tiles):
         stage = i % NUM_STAGES
         tile_lo = lo + i * BLOCK_N
@@ -402,13 +379,11 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready,
         o = warpgroup_mma(c_smem.index(stage).permute((1, 0)), p_smem, acc, is_async=True)
         if i + 1 < num_tiles:
             # The next tile's scores queue behind this tile's O^T on the tensor cores.
-            s_next = _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i + 1, acc_layout, NUM_STAGES,
-                                   PE_STAGES)  # fmt: skip
+            s_next = _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i + 1, acc_layout, NUM_STAGES)
             acc = warpgroup_mma_wait(2, deps=(o,))  # the two score groups may still run
             _cta_barrier()
             mbarrier.arrive(kv_free.index(stage), count=1)
             s = warpgroup_mma_wait(0, deps=(s_next,))
-            _release_rope(pe_free, i + 1, NUM_STAGES, PE_STAGES)
         else:
             acc = warpgroup_mma_wait(0, deps=(o,))
 
@@ -456,8 +431,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                 BLOCK_Q: gl.constexpr, SEQS_POW2: gl.constexpr, USE_KV_BOUNDS: gl.constexpr,
                                 SPLIT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr, LOOKAHEAD: gl.constexpr = 1,
-                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0,
-                                PE_STAGES: gl.constexpr = 2):  # fmt: skip
+                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0):  # fmt: skip
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     gl.static_assert(gl.num_warps() == 4, "the parent and the MMA partition are one warpgroup")
     gl.static_assert((BLOCK_M == 16) | (BLOCK_M == 32), "16 or 32 rows: the N of the swapped MMAs")
@@ -468,10 +442,6 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
         "one dequant warpgroup, or two that rotate their tiles",
     )
     gl.static_assert((PREFETCH == 0) | (LOOKAHEAD > 1), "L2 prefetches ahead of the rotating register loads")
-    gl.static_assert(
-        (PE_STAGES == NUM_STAGES) | ((PE_STAGES == 1) & (LOOKAHEAD > 1)),
-        "the rope parts buffered as the latents, or in one buffer of their own (rotating dequant)",
-    )
     # S^T [keys, rows], O^T [DC, rows] and the per-key sums share one layout, so row vectors need no conversion.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -497,19 +467,16 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DC], gl.float16)
     pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.float16)
     c_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_N, DC], c_layout)
-    pe_smem = gl.allocate_shared_memory(gl.float16, [PE_STAGES, BLOCK_N, DR], pe_layout)
+    pe_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_N, DR], pe_layout)
     ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16)
     p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_M], p_layout)
-    # Per buffer: filled, and free again; and per rope buffer of its own, free again.
+    # Per buffer: filled, and free again.
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    pe_free = gl.allocate_shared_memory(gl.int64, [PE_STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
         mbarrier.init(kv_ready.index(st), count=DEQUANT_WGS)
         mbarrier.init(kv_free.index(st), count=1)
-    for st in gl.static_range(PE_STAGES):
-        mbarrier.init(pe_free.index(st), count=1)
     fence_async_shared()
     _cta_barrier()
 
@@ -517,30 +484,27 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     pages_ptr = block_table_ptr + seq * stride_bt
     if LOOKAHEAD == 1:
         gl.warp_specialize(
-            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, pe_free, bound,
-                               bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout,
-                               NUM_STAGES, PE_STAGES)),
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_partition, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                    pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES))],
             [4], [DEQUANT_REGS])  # fmt: skip
     elif DEQUANT_WGS == 1:
         gl.warp_specialize(
-            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, pe_free, bound,
-                               bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout,
-                               NUM_STAGES, PE_STAGES)),
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
-                               pe_smem, ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE, BLOCK_N, NUM_STAGES,
-                               PE_STAGES, LOOKAHEAD, DEQUANT_WGS, PREFETCH))],
+                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
+                               DEQUANT_WGS, PREFETCH))],
             [4], [DEQUANT_REGS])  # fmt: skip
     else:
         gl.warp_specialize(
-            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, pe_free, bound,
-                               bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout,
-                               NUM_STAGES, PE_STAGES)),
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
-                               pe_smem, ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE, BLOCK_N, NUM_STAGES,
-                               PE_STAGES, LOOKAHEAD, DEQUANT_WGS, PREFETCH)),
+                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
+                               DEQUANT_WGS, PREFETCH)),
              (_dequant_part1, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
-                               pe_smem, ks_smem, kv_ready, kv_free, pe_free, PAGE_SIZE, BLOCK_N, NUM_STAGES,
-                               PE_STAGES, LOOKAHEAD, DEQUANT_WGS, PREFETCH))],
+                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
+                               DEQUANT_WGS, PREFETCH))],
             [4, 4], [DEQUANT_REGS, DEQUANT_REGS])  # fmt: skip
