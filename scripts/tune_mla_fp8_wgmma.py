@@ -51,10 +51,9 @@ def parse_variant(text: str) -> tuple:
     parts = text.split(",")
     if parts[0] == "triton" and len(parts) == 2 and parts[1].isdigit():
         return ("triton", int(parts[1]))
-    if len(parts) not in (4, 5, 7) or not all(p.isdigit() for p in parts):
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not lookahead,warpgroups,regs,min_waves[,l2_prefetch[,mma_warpgroups,mma_regs]] or "
-            "triton,min_waves"
+            f"{text!r} is not lookahead,warpgroups,regs,min_waves[,l2_prefetch] or triton,min_waves"
         )
     return tuple(int(p) for p in parts)
 

@@ -446,14 +446,8 @@ def _fp8_wgmma_ok(q, kv_cache, kv_lora_rank: int, cfg: dict, sched: Schedule) ->
         and rope >= 16
         and kv_cache.shape[2] % 16 == 0
         and kv_cache.data_ptr() % 16 == 0
-        and decode_fp8_wgmma.fp8_wgmma_smem(rows, kv_cache.shape[2], 2, _fp8_mma_warpgroups(rows)) <= _WGMMA_SMEM
+        and decode_fp8_wgmma.fp8_wgmma_smem(rows, kv_cache.shape[2], 2) <= _WGMMA_SMEM
     )
-
-
-def _fp8_mma_warpgroups(rows: int) -> int:
-    """The fp8 Gluon kernel's MMA warpgroups at `rows` tile rows: two (`FP8_WGMMA.mma_warpgroups`) only at 16 rows,
-    where O^T [kv_lora_rank, 16] fits each one's share of the registers."""
-    return FP8_WGMMA.mma_warpgroups if rows == 16 else 1
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, kv_lora_rank, kv_bounds, kv_scale):
@@ -571,7 +565,6 @@ def mla_decode_triton(
             LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=2,
             DEQUANT_REGS=FP8_WGMMA.dequant_regs, LOOKAHEAD=FP8_WGMMA.lookahead,
             DEQUANT_WGS=FP8_WGMMA.dequant_warpgroups, PREFETCH=FP8_WGMMA.l2_prefetch,
-            MMA_WGS=_fp8_mma_warpgroups(cfg["BLOCK_Q"] * cfg["BLOCK_H"]), MMA_REGS=FP8_WGMMA.mma_regs,
             num_warps=4,  # the MMA warpgroup; the kernel adds the others
         )  # fmt: skip
     elif use_wgmma:

@@ -58,11 +58,10 @@ else:
 BLOCK_N = 64
 
 
-def fp8_wgmma_smem(rows: int, head_dim: int, stages: int, mma_warpgroups: int = 1) -> int:
+def fp8_wgmma_smem(rows: int, head_dim: int, stages: int) -> int:
     """Bytes of shared memory the kernel allocates for its tiles: q [rows, head_dim], the fp16 key tiles
-    [stages, BLOCK_N, head_dim] and one P^T [BLOCK_N, rows] an MMA warpgroup, 16-bit, the key scales, and q's row
-    scales and two MMA warpgroups' lse [3, rows], fp32."""
-    return 2 * (rows + stages * BLOCK_N) * head_dim + 2 * mma_warpgroups * BLOCK_N * rows + 4 * stages * BLOCK_N + 12 * rows
+    [stages, BLOCK_N, head_dim] and P^T [BLOCK_N, rows], 16-bit, and the key scales, fp32."""
+    return 2 * (rows + stages * BLOCK_N) * head_dim + 2 * BLOCK_N * rows + 4 * stages * BLOCK_N
 
 
 @gluon.jit
@@ -311,12 +310,12 @@ def _dequant_part1(kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kv
 
 
 @gluon.jit
-def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, stage, acc_layout: gl.constexpr,
-                  NUM_STAGES: gl.constexpr):  # fmt: skip
-    """Issue S^T = pe qpe^T + c q^T for tile t in buffer stage ([BLOCK_N, rows] fp32, two MMA groups, not waited
-    for) once the buffer is filled."""
+def _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, t, acc_layout: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Issue S^T = pe qpe^T + c q^T for tile t ([BLOCK_N, rows] fp32, two MMA groups, not waited for) once the
+    tile's fp16 buffer is filled."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
+    stage = t % NUM_STAGES
     # q's buffers through an index the compiler cannot prove constant (0, as t < 2^30): else it hoists all of q's
     # MMA descriptors (one a K step, 64-bit) out of the tile loop and spills them.
     zero = t // 1073741824
@@ -349,30 +348,10 @@ def _weights(s, ks, n, tile_lo, bound, bound_min, row_scale, m_i, d_i, l_keys):
 
 
 @gluon.jit
-def _attend(s, i, stage, lo, c_smem, ks_smem, p_smem, bound, bound_min, row_scale, m_i, d_i, l_keys, acc,
-            acc_layout: gl.constexpr):  # fmt: skip
-    """Tile i's softmax step on its scores s (`_weights`), its P^T into p_smem, and its O^T MMA issued, not waited
-    for: (the MMA's result, m, d, l_keys)."""
-    BLOCK_N: gl.constexpr = c_smem.shape[1]
-    tile_lo = lo + i * BLOCK_N
-    n = tile_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    ks = ks_smem.index(stage).load(gl.SliceLayout(1, acc_layout))
-    w, beta, m_i, d_i, l_keys = _weights(s, ks, n, tile_lo, bound, bound_min, row_scale, m_i, d_i, l_keys)
-    p_smem.store(w.to(gl.float16))
-    fence_async_shared()
-    _cta_barrier()
-    acc = acc * beta[None, :]
-    return warpgroup_mma(c_smem.index(stage).permute((1, 0)), p_smem, acc, is_async=True), m_i, d_i, l_keys
-
-
-@gluon.jit
-def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, kv_ready, kv_free, bound, bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, PHASE: gl.constexpr, PHASES: gl.constexpr):  # fmt: skip
-    """Scores, softmax and O^T for the split's tiles PHASE, PHASE + PHASES, ... With one MMA warpgroup (PHASES 1)
-    each tile's scores queue behind the previous tile's O^T. With two (PHASES 2 = NUM_STAGES, one buffer each),
-    each takes every other tile, so that one's softmax runs beside the other's MMAs; the second hands its
-    normalised O^T and lse to the first through its own buffer, free once its last tile is done. The first writes
-    out and lse."""
+def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min, row_scale,
+                   out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):  # fmt: skip
+    """Scores, softmax and O^T for every tile of the split; writes out and lse."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     DC: gl.constexpr = c_smem.shape[2]
@@ -382,104 +361,42 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem,
     d_i = m_i
     l_keys = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     acc = gl.zeros([DC, BLOCK_M], gl.float32, acc_layout)
-    if PHASES == 1:
-        s = l_keys
-        if num_tiles > 0:
-            s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, 0, 0,
-                                                          acc_layout, NUM_STAGES),))  # fmt: skip
-        for i in range(num_tiles):
-            o, m_i, d_i, l_keys = _attend(s, i, i % NUM_STAGES, lo, c_smem, ks_smem, p_smem.index(0), bound,
-                                          bound_min, row_scale, m_i, d_i, l_keys, acc, acc_layout)  # fmt: skip
-            if i + 1 < num_tiles:
-                # The next tile's scores queue behind this tile's O^T on the tensor cores (the previous tile's O^T
-                # is done, so P^T's buffer was free).
-                s_next = _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i + 1, (i + 1) % NUM_STAGES,
-                                       acc_layout, NUM_STAGES)  # fmt: skip
-                acc = warpgroup_mma_wait(2, deps=(o,))  # the two score groups may still run
-                _cta_barrier()
-                mbarrier.arrive(kv_free.index(i % NUM_STAGES), count=1)
-                s = warpgroup_mma_wait(0, deps=(s_next,))
-            else:
-                acc = warpgroup_mma_wait(0, deps=(o,))
-    else:
-        gl.static_assert(NUM_STAGES == PHASES, "one buffer an MMA warpgroup")
-        for i in range(PHASE, num_tiles, PHASES):
-            # Buffer PHASE through an index the compiler cannot prove constant (as t < 2^30): else it hoists every
-            # MMA descriptor of the buffer out of the loop and spills them.
-            stage = PHASE + i // 1073741824
-            s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i, stage,
-                                                          acc_layout, NUM_STAGES),))  # fmt: skip
-            o, m_i, d_i, l_keys = _attend(s, i, stage, lo, c_smem, ks_smem, p_smem.index(PHASE), bound, bound_min,
-                                          row_scale, m_i, d_i, l_keys, acc, acc_layout)  # fmt: skip
-            acc = warpgroup_mma_wait(0, deps=(o,))
+    s = l_keys
+    if num_tiles > 0:
+        s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, 0, acc_layout,
+                                                      NUM_STAGES),))  # fmt: skip
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        tile_lo = lo + i * BLOCK_N
+        n = tile_lo + gl.arange(0, BLOCK_N, layout=keys_layout)
+        ks = ks_smem.index(stage).load(keys_layout)
+        w, beta, m_i, d_i, l_keys = _weights(s, ks, n, tile_lo, bound, bound_min, row_scale, m_i, d_i, l_keys)
+        # The previous tile's O^T MMA is done (waited for below), so P^T's buffer is free.
+        p_smem.store(w.to(gl.float16))
+        fence_async_shared()
+        _cta_barrier()
+        acc = acc * beta[None, :]
+        o = warpgroup_mma(c_smem.index(stage).permute((1, 0)), p_smem, acc, is_async=True)
+        if i + 1 < num_tiles:
+            # The next tile's scores queue behind this tile's O^T on the tensor cores.
+            s_next = _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i + 1, acc_layout, NUM_STAGES)
+            acc = warpgroup_mma_wait(2, deps=(o,))  # the two score groups may still run
             _cta_barrier()
-            mbarrier.arrive(kv_free.index(PHASE), count=1)
+            mbarrier.arrive(kv_free.index(stage), count=1)
+            s = warpgroup_mma_wait(0, deps=(s_next,))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(o,))
 
     # out = acc * 2^d / l; acc is 0 where no key had weight (d = -inf).
     l_i = gl.sum(l_keys, axis=0)
     has_keys = l_i > 0
     l_safe = gl.where(has_keys, l_i, 1.0)
-    lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))  # log2 units
+    gl.store(lse_ptr + out_row, gl.where(has_keys, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")),
+             mask=row_ok)  # fmt: skip
     norm = gl.where(has_keys & (d_i > float("-inf")), gl.exp2(d_i), 0.0)
     out = acc * gl.where(norm > 0, norm / l_safe, 0.0)[None, :]
-    if PHASES == 1:
-        gl.store(lse_ptr + out_row, lse2 * 0.6931471805599453, mask=row_ok)
-        d = gl.arange(0, DC, layout=keys_layout)
-        gl.store(out_ptr + out_row[None, :] * DC + d[:, None], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[None, :])  # fmt: skip
-    else:
-        # This warpgroup's last tile is done: its buffer (never refilled) takes its part for `_merge_out`.
-        c_smem.index(PHASE)._reinterpret(gl.float32, [DC, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(out)
-        lse_smem.index(PHASE).store(lse2)
-
-
-@gluon.jit
-def _merge_out(c_smem, lse_smem, out_row, row_ok, out_ptr, lse_ptr, io: gl.constexpr):
-    """Once both MMA warpgroups are done: their normalised O^T [DC, rows] (fp32, in c_smem's buffers 0 and 1) over
-    disjoint keys, with their lse [2, rows] (log2 units, -inf where a part saw no key), merged into out and lse
-    (out_row, row_ok [rows] in SliceLayout(0, io)), 128 dims at a time."""
-    DC: gl.constexpr = c_smem.shape[2]
-    BLOCK_M: gl.constexpr = lse_smem.shape[1]
-    lse_a = lse_smem.index(0).load(gl.SliceLayout(0, io))
-    lse_b = lse_smem.index(1).load(gl.SliceLayout(0, io))
-    top = gl.maximum(lse_a, lse_b)
-    top = gl.where(top == float("-inf"), 0.0, top)
-    w_a = gl.exp2(lse_a - top)
-    w_b = gl.exp2(lse_b - top)
-    total = w_a + w_b
-    has_keys = total > 0
-    total = gl.where(has_keys, total, 1.0)
-    lse2 = gl.where(has_keys, top + gl.log2(total), float("-inf"))
-    gl.store(lse_ptr + out_row, lse2 * 0.6931471805599453, mask=row_ok)
-    w_a = (w_a / total)[None, :]
-    w_b = (w_b / total)[None, :]
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    part_a = c_smem.index(0)._reinterpret(gl.float32, [DC, BLOCK_M], flat)
-    part_b = c_smem.index(1)._reinterpret(gl.float32, [DC, BLOCK_M], flat)
-    for c in gl.static_range(DC // 128):
-        out = part_a.slice(c * 128, 128).load(io) * w_a + part_b.slice(c * 128, 128).load(io) * w_b
-        d = c * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, io))
-        gl.store(out_ptr + out_row[None, :] * DC + d[:, None], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[None, :])  # fmt: skip
-
-
-@gluon.jit
-def _mma_worker(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, scale_smem, kv_ready, kv_free,
-                cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits,
-                split, out_ptr, lse_ptr, BLOCK_H: gl.constexpr, USE_KV_BOUNDS: gl.constexpr, SPLIT: gl.constexpr,
-                acc_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PHASE: gl.constexpr):  # fmt: skip
-    """One of two MMA warpgroups (`_mma_partition` at PHASE): it derives its rows' bounds from scalars and reads
-    q's row scales from scale_smem (a worker partition takes no tensors, and the default one, at about 150
-    registers, would spill those the parent hands it)."""
-    BLOCK_N: gl.constexpr = c_smem.shape[1]
-    BLOCK_M: gl.constexpr = q_smem.shape[1]
-    rows_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    row_ok, bound, bound_min, lo, hi, num_tiles, out_row = split_range(
-        cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split,
-        rows_layout, BLOCK_H, BLOCK_M, BLOCK_N, USE_KV_BOUNDS, SPLIT)  # fmt: skip
-    _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, kv_ready, kv_free, bound, bound_min,
-                   scale_smem.load(rows_layout), out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout,
-                   NUM_STAGES, PHASE, 2)  # fmt: skip
+    d = gl.arange(0, DC, layout=keys_layout)
+    gl.store(out_ptr + out_row[None, :] * DC + d[:, None], out.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
 
 
 @gluon.jit
@@ -514,8 +431,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                 BLOCK_Q: gl.constexpr, SEQS_POW2: gl.constexpr, USE_KV_BOUNDS: gl.constexpr,
                                 SPLIT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr, LOOKAHEAD: gl.constexpr = 1,
-                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0, MMA_WGS: gl.constexpr = 1,
-                                MMA_REGS: gl.constexpr = 0):  # fmt: skip
+                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0):  # fmt: skip
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     gl.static_assert(gl.num_warps() == 4, "the parent and the MMA partition are one warpgroup")
     gl.static_assert((BLOCK_M == 16) | (BLOCK_M == 32), "16 or 32 rows: the N of the swapped MMAs")
@@ -526,10 +442,6 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
         "one dequant warpgroup, or two that rotate their tiles",
     )
     gl.static_assert((PREFETCH == 0) | (LOOKAHEAD > 1), "L2 prefetches ahead of the rotating register loads")
-    gl.static_assert(
-        (MMA_WGS == 1) | ((MMA_WGS == 2) & (DEQUANT_WGS == 1) & (LOOKAHEAD > 1) & (NUM_STAGES == 2)),
-        "one MMA warpgroup, or two with a buffer each beside one rotating dequant warpgroup",
-    )
     # S^T [keys, rows], O^T [DC, rows] and the per-key sums share one layout, so row vectors need no conversion.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -551,9 +463,6 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, DR], gl.float16))  # fmt: skip
     row_scale = qk_scale * _scaled_q(q_ptr, tok0, q_hi, head_block, num_heads, stride_qt, stride_qh, q_smem.index(0),
                                      qpe_smem.index(0), BLOCK_H, BLOCK_M, rows_layout)  # fmt: skip
-    # For two MMA warpgroups: q's row scales, and each one's lse.
-    scale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]), row_scale)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DC], gl.float16)
     pe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], gl.float16)
@@ -561,7 +470,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     pe_smem = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_N, DR], pe_layout)
     ks_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.float16)
-    p_smem = gl.allocate_shared_memory(gl.float16, [MMA_WGS, BLOCK_N, BLOCK_M], p_layout)
+    p_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_M], p_layout)
     # Per buffer: filled, and free again.
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -575,46 +484,23 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     pages_ptr = block_table_ptr + seq * stride_bt
     if LOOKAHEAD == 1:
         gl.warp_specialize(
-            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, kv_ready, kv_free,
-                               bound, bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr,
-                               lse_ptr, acc_layout, NUM_STAGES, 0, MMA_WGS)),
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_partition, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                    pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES))],
             [4], [DEQUANT_REGS])  # fmt: skip
-    elif MMA_WGS == 2:
-        # The dequant warpgroup is the default partition: it gets the registers the two MMA workers leave.
-        gl.warp_specialize(
-            [(_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
-                               pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
-                               DEQUANT_WGS, PREFETCH)),
-             (_mma_worker, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, scale_smem, kv_ready,
-                            kv_free, cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block,
-                            num_heads, num_splits, split, out_ptr, lse_ptr, BLOCK_H, USE_KV_BOUNDS, SPLIT,
-                            acc_layout, NUM_STAGES, 0)),
-             (_mma_worker, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, scale_smem, kv_ready,
-                            kv_free, cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block,
-                            num_heads, num_splits, split, out_ptr, lse_ptr, BLOCK_H, USE_KV_BOUNDS, SPLIT,
-                            acc_layout, NUM_STAGES, 1))],
-            [4, 4], [MMA_REGS, MMA_REGS])  # fmt: skip
-        io: gl.constexpr = gl.BlockedLayout([4, 1], [2, 16], [4, 1], [0, 1])  # 32-byte runs of a row a thread pair
-        row_ok, _, _, _, _, _, out_row = split_range(
-            cache_seqlens_ptr, kv_bounds_ptr, seq, tok0, q_lo, q_hi, head_block, num_heads, num_splits, split,
-            gl.SliceLayout(0, io), BLOCK_H, BLOCK_M, BLOCK_N, USE_KV_BOUNDS, SPLIT)  # fmt: skip
-        _merge_out(c_smem, lse_smem, out_row, row_ok, out_ptr, lse_ptr, io)
     elif DEQUANT_WGS == 1:
         gl.warp_specialize(
-            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, kv_ready, kv_free,
-                               bound, bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr,
-                               lse_ptr, acc_layout, NUM_STAGES, 0, MMA_WGS)),
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
                                DEQUANT_WGS, PREFETCH))],
             [4], [DEQUANT_REGS])  # fmt: skip
     else:
         gl.warp_specialize(
-            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, lse_smem, kv_ready, kv_free,
-                               bound, bound_min, row_scale, out_row, row_ok, lo, num_tiles, out_ptr,
-                               lse_ptr, acc_layout, NUM_STAGES, 0, MMA_WGS)),
+            [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
                                DEQUANT_WGS, PREFETCH)),
