@@ -191,7 +191,7 @@ def mla_fp8_wgmma_case(rows: int, block_h: int | None = None, page_size: int = 6
     c = dict(PAGE_SIZE=page_size, DC=512, DR=64, BLOCK_H=block_h, BLOCK_Q=rows // block_h, SEQS_POW2=256,
              USE_KV_BOUNDS=False, SPLIT=split, LONGEST_FIRST=longest_first, BLOCK_N=k.BLOCK_N, NUM_STAGES=stages,
              DEQUANT_REGS=regs, LOOKAHEAD=params.lookahead, DEQUANT_WGS=params.dequant_warpgroups,
-             PREFETCH=params.l2_prefetch, FREE_EARLY=bool(params.free_early))  # fmt: skip
+             PREFETCH=params.l2_prefetch)  # fmt: skip
     order = ("split KV" if split else "one split") + (", longest first" if longest_first else "")
     name = f"mla decode fp8 KV, {rows} rows ({block_h} heads) x {k.BLOCK_N} keys, {stages} buffers, {order}, Gluon "
     name += f"wgmma swap-AB ({params.dequant_warpgroups} dequant warpgroup(s) at {regs} regs, "

@@ -7,13 +7,13 @@ the split target (the (1, 16) Schedule's min_waves), each checked against the to
     python scripts/tune_mla_fp8_wgmma.py --print-sm90               # compile each variant for sm_90 here, no GPU:
                                                                     # registers, spills, shared memory
 
-A variant is lookahead,warpgroups,regs,min_waves[,l2_prefetch[,free_early]] ("triton,min_waves" times the Triton fp8
-kernel instead). Phase 1 runs every variant once in its own process (--jobs at a time, each killed after
---variant-timeout seconds, so a variant that hangs or fails is recorded, not fatal): Triton compiles and caches it,
-and its output on the first block table is compared with `naive.mla_decode_ref` (max |out - ref| / max |ref|, lse
-likewise). Phase 2 times the variants that passed, one process, the cases in turn, stopped at --budget seconds from
-the start. One JSON object a variant and case goes to <out>/tune_mla_fp8_wgmma.jsonl (phase "check", then "time");
-the table is printed last.
+A variant is lookahead,warpgroups,regs,min_waves[,l2_prefetch] ("triton,min_waves" times the Triton fp8 kernel
+instead). Phase 1 runs every variant once in its own process (--jobs at a time, each killed after --variant-timeout
+seconds, so a variant that hangs or fails is recorded, not fatal): Triton compiles and caches it, and its output on
+the first block table is compared with `naive.mla_decode_ref` (max |out - ref| / max |ref|, lse likewise). Phase 2
+times the variants that passed, one process, the cases in turn, stopped at --budget seconds from the start. One JSON
+object a variant and case goes to <out>/tune_mla_fp8_wgmma.jsonl (phase "check", then "time"); the table is printed
+last.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def parse_variant(text: str) -> tuple:
     parts = text.split(",")
     if parts[0] == "triton" and len(parts) == 2 and parts[1].isdigit():
         return ("triton", int(parts[1]))
-    if len(parts) not in (4, 5, 6) or not all(p.isdigit() for p in parts):
+    if len(parts) not in (4, 5) or not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not lookahead,warpgroups,regs,min_waves[,l2_prefetch[,free_early]] or triton,min_waves"
+            f"{text!r} is not lookahead,warpgroups,regs,min_waves[,l2_prefetch] or triton,min_waves"
         )
     return tuple(int(p) for p in parts)
 

@@ -565,7 +565,6 @@ def mla_decode_triton(
             LONGEST_FIRST=longest_first, BLOCK_N=decode_fp8_wgmma.BLOCK_N, NUM_STAGES=2,
             DEQUANT_REGS=FP8_WGMMA.dequant_regs, LOOKAHEAD=FP8_WGMMA.lookahead,
             DEQUANT_WGS=FP8_WGMMA.dequant_warpgroups, PREFETCH=FP8_WGMMA.l2_prefetch,
-            FREE_EARLY=bool(FP8_WGMMA.free_early),
             num_warps=4,  # the MMA warpgroup; the kernel adds the others
         )  # fmt: skip
     elif use_wgmma:

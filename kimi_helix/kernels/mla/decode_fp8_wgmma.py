@@ -350,7 +350,7 @@ def _weights(s, ks, n, tile_lo, bound, bound_min, row_scale, m_i, d_i, l_keys):
 @gluon.jit
 def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min, row_scale,
                    out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, FREE_EARLY: gl.constexpr):  # fmt: skip
+                   NUM_STAGES: gl.constexpr):  # fmt: skip
     """Scores, softmax and O^T for every tile of the split; writes out and lse."""
     BLOCK_N: gl.constexpr = c_smem.shape[1]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -361,13 +361,11 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready,
     d_i = m_i
     l_keys = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     acc = gl.zeros([DC, BLOCK_M], gl.float32, acc_layout)
-    s = l_keys
-    if num_tiles > 0:
-        s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, 0, acc_layout,
-                                                      NUM_STAGES),))  # fmt: skip
     for i in range(num_tiles):
         stage = i % NUM_STAGES
         tile_lo = lo + i * BLOCK_N
+        s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i, acc_layout,
+                                                      NUM_STAGES),))  # fmt: skip
         n = tile_lo + gl.arange(0, BLOCK_N, layout=keys_layout)
         ks = ks_smem.index(stage).load(keys_layout)
         w, beta, m_i, d_i, l_keys = _weights(s, ks, n, tile_lo, bound, bound_min, row_scale, m_i, d_i, l_keys)
@@ -376,24 +374,12 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready,
         fence_async_shared()
         _cta_barrier()
         acc = acc * beta[None, :]
-        o = warpgroup_mma(c_smem.index(stage).permute((1, 0)), p_smem, acc, is_async=True)
-        if FREE_EARLY:
-            # The buffer goes back as soon as O^T has read it, before the next tile is waited for.
-            acc = warpgroup_mma_wait(0, deps=(o,))
-            _cta_barrier()
-            mbarrier.arrive(kv_free.index(stage), count=1)
-            if i + 1 < num_tiles:
-                s = warpgroup_mma_wait(0, deps=(_scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i + 1,
-                                                              acc_layout, NUM_STAGES),))  # fmt: skip
-        elif i + 1 < num_tiles:
-            # The next tile's scores queue behind this tile's O^T on the tensor cores.
-            s_next = _scores_async(q_smem, qpe_smem, c_smem, pe_smem, kv_ready, i + 1, acc_layout, NUM_STAGES)
-            acc = warpgroup_mma_wait(2, deps=(o,))  # the two score groups may still run
-            _cta_barrier()
-            mbarrier.arrive(kv_free.index(stage), count=1)
-            s = warpgroup_mma_wait(0, deps=(s_next,))
-        else:
-            acc = warpgroup_mma_wait(0, deps=(o,))
+        acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(c_smem.index(stage).permute((1, 0)), p_smem, acc,
+                                                        is_async=True),))  # fmt: skip
+        # The buffer goes back as soon as O^T has read it, before the next tile is waited for: the dequant side is
+        # the slower one, and holding the buffer until the next tile's scores were issued cost 7 % at b = 128.
+        _cta_barrier()
+        mbarrier.arrive(kv_free.index(stage), count=1)
 
     # out = acc * 2^d / l; acc is 0 where no key had weight (d = -inf).
     l_i = gl.sum(l_keys, axis=0)
@@ -439,8 +425,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
                                 BLOCK_Q: gl.constexpr, SEQS_POW2: gl.constexpr, USE_KV_BOUNDS: gl.constexpr,
                                 SPLIT: gl.constexpr, LONGEST_FIRST: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, DEQUANT_REGS: gl.constexpr, LOOKAHEAD: gl.constexpr = 1,
-                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0,
-                                FREE_EARLY: gl.constexpr = False):  # fmt: skip
+                                DEQUANT_WGS: gl.constexpr = 1, PREFETCH: gl.constexpr = 0):  # fmt: skip
     BLOCK_M: gl.constexpr = BLOCK_Q * BLOCK_H
     gl.static_assert(gl.num_warps() == 4, "the parent and the MMA partition are one warpgroup")
     gl.static_assert((BLOCK_M == 16) | (BLOCK_M == 32), "16 or 32 rows: the N of the swapped MMAs")
@@ -494,16 +479,14 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     if LOOKAHEAD == 1:
         gl.warp_specialize(
             [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
-                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES,
-                               FREE_EARLY)),
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_partition, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                    pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES))],
             [4], [DEQUANT_REGS])  # fmt: skip
     elif DEQUANT_WGS == 1:
         gl.warp_specialize(
             [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
-                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES,
-                               FREE_EARLY)),
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
                                DEQUANT_WGS, PREFETCH))],
@@ -511,8 +494,7 @@ def mla_decode_fp8_wgmma_kernel(q_ptr, kv_ptr, kv_scale_ptr, block_table_ptr, ca
     else:
         gl.warp_specialize(
             [(_mma_partition, (q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready, kv_free, bound, bound_min,
-                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES,
-                               FREE_EARLY)),
+                               row_scale, out_row, row_ok, lo, num_tiles, out_ptr, lse_ptr, acc_layout, NUM_STAGES)),
              (_dequant_part0, (kv_ptr, kv_scale_ptr, pages_ptr, lo, hi, num_tiles, stride_kvp, stride_kvs, c_smem,
                                pe_smem, ks_smem, kv_ready, kv_free, PAGE_SIZE, BLOCK_N, NUM_STAGES, LOOKAHEAD,
                                DEQUANT_WGS, PREFETCH)),

@@ -145,15 +145,12 @@ class Fp8WgmmaParams(NamedTuple):
     (lookahead: 1, the next tile's, copied between registers each tile; 2 or 3, each tile in registers of its
     own), dequant warpgroups (1, or 2 that each take half of every tile's keys; 2 needs lookahead >= 2) and the
     registers a thread of each (the MMA warpgroup gets the rest of the SM's 64K), and how many tiles before their
-    register loads a tile's rows are asked of L2 (l2_prefetch, 0: not at all; needs lookahead >= 2), and whether
-    the MMA warpgroup frees each buffer as soon as O^T has read it (free_early) rather than once the next tile's
-    scores are issued."""
+    register loads a tile's rows are asked of L2 (l2_prefetch, 0: not at all; needs lookahead >= 2)."""
 
     lookahead: int = 1
     dequant_warpgroups: int = 1
     dequant_regs: int = 232
     l2_prefetch: int = 0
-    free_early: int = 0
 
 
 # Two raw tiles in flight, so that a tile's loads overlap the previous tile's dequant (one tile in flight copied
