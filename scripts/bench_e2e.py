@@ -362,9 +362,12 @@ def bench_prefill(model, args, case: Case, steps: int, bandwidth: float, device)
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.eager,
     )
-    prompt = torch.randint(0, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    gen = torch.Generator().manual_seed(0)
+    warmup, prompt = torch.randint(0, model.config.vocab_size, (2, tokens), generator=gen).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    llm.generate([prompt[: min(tokens, args.prefill_chunk)]], params, use_tqdm=False)  # compiles the kernels
+    # A whole prompt, not its first chunk: the later chunks (a cached prefix, carried recurrent states) compile
+    # kernels of their own, which the timed run would otherwise include.
+    llm.generate([warmup], params, use_tqdm=False)
     sync(device)
     start = time.perf_counter()
     llm.generate([prompt], params, use_tqdm=False)
