@@ -377,7 +377,7 @@ def _mma_partition(q_smem, qpe_smem, c_smem, pe_smem, ks_smem, p_smem, kv_ready,
         acc = warpgroup_mma_wait(0, deps=(warpgroup_mma(c_smem.index(stage).permute((1, 0)), p_smem, acc,
                                                         is_async=True),))  # fmt: skip
         # The buffer goes back as soon as O^T has read it, before the next tile is waited for: the dequant side is
-        # the slower one, and holding the buffer until the next tile's scores were issued cost 7 % at b = 128.
+        # the slower one and should not wait for a buffer already read (docs/benchmarks.md, fp8 MLA decode).
         _cta_barrier()
         mbarrier.arrive(kv_free.index(stage), count=1)
 
