@@ -298,12 +298,7 @@ def bench_decode(model, args, case: Case, steps: int, bandwidth: float, device) 
         experts_touched_mean=round(sum(touched) / max(len(touched), 1), 1),
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    if top:
-        row["top_kernels"] = top
-        busy = sum(k["us"] for k in top)
-        print(f"batch {batch}, context {context}: top {len(top)} kernels, {busy / 1e3:.3f} of {ms:.3f} ms per step")
-        for k in top:
-            print(f"  {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['kernel']}")
+    row |= top_kernels_fields(top, case, ms)
     if graphs is not None and graphs.uncapturable:
         row["uncapturable"] = sorted(set(graphs.uncapturable.values()))[:1]
     return row
@@ -328,7 +323,7 @@ def bench_verify(model, args, case: Case, steps: int, bandwidth: float, device) 
         llm.step()
 
     ms = time_steps(step, device, steps)
-    kernels, _ = profile_kernels(step, device, PROFILED_STEPS)
+    kernels, top = profile_kernels(step, device, PROFILED_STEPS, args.top_kernels)
     touched = engine_experts_touched(llm, step)
     floor_ms, floor_bytes = step_floor(llm, batch, context, k + 1, touched, bandwidth)
     graphs = llm.runner.graphs
@@ -344,7 +339,21 @@ def bench_verify(model, args, case: Case, steps: int, bandwidth: float, device) 
         pct_of_floor=sig(100 * floor_ms / ms),
         experts_touched_mean=round(sum(touched) / max(len(touched), 1), 1),
         kv_cache_dtype=args.kv_cache_dtype,
+    ) | top_kernels_fields(top, case, ms)
+
+
+def top_kernels_fields(top: list[dict], case: Case, ms: float) -> dict:
+    """Print the profiled step's kernels of most GPU time (--top-kernels) and return them as the row's field."""
+    if not top:
+        return {}
+    busy = sum(k["us"] for k in top)
+    print(
+        f"{case.phase}, batch {case.batch}, context {case.context}: top {len(top)} kernels, {busy / 1e3:.3f} of "
+        f"{ms:.3f} ms per step"
     )
+    for k in top:
+        print(f"  {k['us']:9.1f} us  {k['calls']:6.1f}x  {k['kernel']}")
+    return {"top_kernels": top}
 
 
 def bench_prefill(model, args, case: Case, steps: int, bandwidth: float, device) -> dict:

@@ -1,19 +1,28 @@
 #!/bin/bash
-# The closing GPU run of a session, in one device call: the step limits add up to 545 s (the tool allows 600):
+# The closing GPU run of a session, in one device call: the step limits add up to 510 s (the tool allows 600):
 #   1. the carried wheels (fla) into /tmp/site;
-#   2. the 27-layer e2e grid with transformers' KimiLinear, most important cases first, --budget-s 205;
-#   3. the speculative benchmark (plain and DSpark at k = 5, batch 1, three alternating runs);
-#   4. fp8 against bf16 MLA decode (b = 1 and 128, 16 heads, 8k keys);
-#   5. the GPU tests in two groups (the prefill's conv, MoE and KDA kernels first, then speculative decoding and the
-#      engine's CUDA graphs);
+#   2. the 27-layer e2e grid with transformers' KimiLinear, most important cases first, --budget-s 205, each decode
+#      and verify row with its 30 kernels of most GPU time;
+#   3. fp8 against bf16 MLA decode (b = 1 and 128, 16 heads, 8k keys);
+#   4. the GPU tests in three groups (the prefill's conv, MoE and KDA kernels; fp8 MLA decode; speculative decoding
+#      and the engine's CUDA graphs);
+#   5. with --spec, the speculative benchmark (plain and DSpark at k = 5, batch 1, three alternating runs; 95 s);
 #   6. a summary.
 # Every step runs under `timeout` (pytest under SIGINT, so that it still prints its summary) and writes under $OUT
 # as it goes, so a step cut short keeps what it finished. Files back (the tool returns at most 8): run.log,
-# e2e.jsonl, spec.jsonl, mla_decode.jsonl, summary.txt.
-# usage: bash scripts/gpu_final.sh COMMIT [--no-tests]   (the device copy has no .git: the commit goes into every
-# row; --no-tests leaves out step 5, 145 s, for a call with less device time left)
+# e2e.jsonl, mla_decode.jsonl, summary.txt, and spec.jsonl with --spec.
+# usage: bash scripts/gpu_final.sh COMMIT [--no-tests] [--spec]   (the device copy has no .git: the commit goes into
+# every row; --no-tests leaves out step 4, 190 s, for a call with less device time left)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export KIMI_HELIX_COMMIT=${1:-unknown} OUT=${OUT:-out}
+tests=1 spec=0
+for flag in "${@:2}"; do
+  case $flag in
+    --no-tests) tests=0 ;;
+    --spec) spec=1 ;;
+    *) echo "unknown flag $flag (allowed: --no-tests, --spec)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT"
 log="$OUT/run.log"
 summary="$OUT/summary.txt"
@@ -32,15 +41,20 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD:/tmp/site
 
-step e2e 235 python3 scripts/bench_e2e.py --budget-s 205 --out "$OUT/e2e.jsonl"
-step spec 95 python3 scripts/bench_spec.py --methods plain dspark --k 5 --batch-sizes 1 --repeats 3 --out "$OUT/spec.jsonl"
+step e2e 235 python3 scripts/bench_e2e.py --budget-s 205 --top-kernels 30 --out "$OUT/e2e.jsonl"
 step mla-fp8 40 python3 scripts/bench_mla.py --b 1 128 --h 16 --s-q 1 --s-k 8192 --kv bf16 fp8 \
   --backends triton --out "$OUT"
-if [[ ${2:-} != --no-tests ]]; then
-step tests-prefill-kernels 80 timeout -s INT 75 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-  tests/kernels/conv tests/kernels/moe tests/kernels/kda/test_gpu.py
-step tests-speculative-engine 65 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-  tests/speculative tests/engine/test_cuda_graph.py
+if ((tests)); then
+  step tests-prefill-kernels 80 timeout -s INT 75 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/conv tests/kernels/moe tests/kernels/kda/test_gpu.py
+  step tests-mla-fp8 45 timeout -s INT 40 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/mla/test_gpu.py -k fp8
+  step tests-speculative-engine 65 timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/speculative tests/engine/test_cuda_graph.py
+fi
+if ((spec)); then
+  step spec 95 python3 scripts/bench_spec.py --methods plain dspark --k 5 --batch-sizes 1 --repeats 3 \
+    --out "$OUT/spec.jsonl"
 fi
 
 {

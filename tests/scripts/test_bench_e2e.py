@@ -91,6 +91,16 @@ def test_cpu_run_writes_every_case_skips_and_failures(tmp_path, capsys, monkeypa
     assert all(r["skipped"].startswith("time budget") and set(r) >= REQUIRED for r in rows)
 
 
+def test_top_kernels_are_printed_and_kept_for_decode_and_verify_rows(capsys):
+    e2e = _load()
+    top = [dict(kernel="moe_gate_up_kernel", calls=26.0, us=650.0), dict(kernel="linear_kernel", calls=76.0, us=350.0)]
+    assert e2e.top_kernels_fields(top, e2e.Case("verify", 64, 4096), 2.5) == {"top_kernels": top}
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "verify, batch 64, context 4096: top 2 kernels, 1.000 of 2.500 ms per step"
+    assert "650.0 us" in printed[1] and printed[1].endswith("moe_gate_up_kernel")
+    assert e2e.top_kernels_fields([], e2e.Case("decode", 1, 4096), 2.5) == {}
+
+
 def test_a_cache_that_does_not_fit_is_skipped(monkeypatch):
     """The fit check prices pages, states and the verify scratch with the planner's functions."""
     e2e = _load()
