@@ -11,6 +11,7 @@ per-token states). Pages are reserved at admission and mapped as the cached leng
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -257,10 +258,20 @@ class PagedCache:
         the dropped slots of the last kept page are overwritten by the next tokens. KDA: the recurrent state
         becomes the one the verify step saved after the last kept token, and the conv state the last W-1 inputs
         up to it (`verify_records`); only the last step's verify group can be cut back, to >= 1 of its tokens."""
-        blocks = self.ledger.seqs[seq_id]
-        if not 0 <= num_keep <= blocks.length:
-            raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
-        if num_keep < blocks.length and self.conv:
+        self.rollback_many([(seq_id, num_keep)])
+
+    def rollback_many(self, cuts: Sequence[tuple[int, int]]) -> None:
+        """`rollback` of several sequences, cuts [(seq_id, num_keep)], all checked before any is applied. The
+        groups recorded in the verify scratch (a graphed or bucketed verify step's) have every KDA layer's states
+        cut back in one launch (`kernels.state_restore`, rows from `VerifyRecord.scratch_at`); others layer by
+        layer."""
+        stacked, own = [], []  # (slot, first row, conv row, kept, group) / (slot, kept, records)
+        for seq_id, num_keep in cuts:
+            blocks = self.ledger.seqs[seq_id]
+            if not 0 <= num_keep <= blocks.length:
+                raise ValueError(f"num_keep must be in [0, {blocks.length}] for sequence {seq_id}, got {num_keep}")
+            if num_keep == blocks.length or not self.conv:
+                continue
             records = [self.verify_records.get(layer, {}).get(seq_id) for layer in self.conv]
             for record in records:
                 if record is None or not 1 <= num_keep - record.context_len <= record.inputs.shape[0]:
@@ -271,24 +282,29 @@ class PagedCache:
             kept = num_keep - records[0].context_len
             where = {r.scratch_at for r in records}
             if len(where) == 1 and (at := where.pop()) is not None:
-                self._cut_stacked(blocks.slot, *at, kept)
+                stacked.append((blocks.slot, *at, kept, records[0].inputs.shape[0]))
             else:
-                for layer, record in zip(self.conv, records):
-                    conv = self.conv[layer]
-                    conv[blocks.slot].copy_(torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :])
-                    self.recurrent[layer][blocks.slot].copy_(record.states[kept - 1])
-        self.ledger.truncate(seq_id, num_keep)
+                own.append((blocks.slot, kept, records))
+        if stacked:
+            self._restore_stacked(stacked)
+        for slot, kept, records in own:
+            for layer, record in zip(self.conv, records):
+                conv = self.conv[layer]
+                conv[slot].copy_(torch.cat([record.conv_before, record.inputs[:kept]])[-conv.shape[1] :])
+                self.recurrent[layer][slot].copy_(record.states[kept - 1])
+        for seq_id, num_keep in cuts:
+            self.ledger.truncate(seq_id, num_keep)
 
-    def _cut_stacked(self, slot: int, row: int, seq: int, kept: int) -> None:
-        """Every KDA layer's state of `slot` after the first `kept` tokens of the group at scratch `row` (conv
-        state before it at scratch sequence row `seq`): two copies over the stacked layers."""
-        stack, width = self._scratch_stack, self.conv_pools.shape[2]
-        if kept >= width:  # the window lies within the group's inputs: no concatenation
-            window = stack.inputs[:, row + kept - width : row + kept]
-        else:
-            window = torch.cat([stack.conv_before[:, seq], stack.inputs[:, row : row + kept]], dim=1)[:, -width:]
-        self.conv_pools[:, slot].copy_(window)
-        self.recurrent_pools[:, slot].copy_(stack.states[:, row + kept - 1])
+    def _restore_stacked(self, groups: list[tuple[int, int, int, int, int]]) -> None:
+        """Cut back the groups (slot, first scratch row, conv row, kept tokens, group tokens) recorded in the
+        verify scratch: their rows, slots and counts go to the device in one copy, then one launch."""
+        n, stack = len(groups), self._scratch_stack
+        slot, first, seq, kept, group = np.array(groups, dtype=np.int64).T
+        host = torch.from_numpy(np.concatenate([np.stack([first, seq], axis=1).ravel(), slot, kept - 1]))
+        dev = host.to(self.conv_pools.device, non_blocking=True)
+        restore_verified_states(self.recurrent_pools, self.conv_pools, stack.states, stack.inputs,
+                                stack.conv_before, dev[2 * n : 3 * n], dev[3 * n :], int(group.max()),
+                                dev[: 2 * n].view(n, 2))  # fmt: skip
 
     def restore_verified(self, slots: torch.Tensor, accepted: torch.Tensor, group: int, backend: str | None = None):
         """Every KDA layer's state of n verify groups of `group` tokens each, cut back on the device to after each

@@ -413,13 +413,16 @@ class LLM:
             for (i, _), token in zip(draws, sampled):
                 per_request.setdefault(i, []).append(token)
         finished = generated = 0
+        cuts: list[tuple[Request, int]] = []
         for i, (r, phase, tokens, rows) in enumerate(zip(step.requests, step.phases, step.token_ids, out.rows)):
             if phase is Phase.PREFILL and r.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(r, tokens, out.logits[rows])
             if i in per_request or i in verified:
-                new, done = self._accept(r, phase, tokens, per_request.get(i, []), out.logits[rows], verified.get(i))
+                args = (r, phase, tokens, per_request.get(i, []), out.logits[rows], verified.get(i))
+                new, done = self._accept(*args, cuts=cuts)
                 generated += new
                 finished += done
+        self._rollback(cuts)
         self._record_step(start, step, generated, len(verified))
         return finished
 
@@ -450,13 +453,14 @@ class LLM:
             return range(0)
         return range(rows.stop - 1, rows.stop)
 
-    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits, verified=None):
+    def _accept(self, request: Request, phase: Phase, tokens, sampled: list[int], logits, verified=None, *, cuts):
         """Append the sampled tokens; for a verify group, the drafts that match the draws and then the first draw
         that does not (or the bonus draw after the last draft), or what the speculative decoder's `verified`
         result kept. Returns (tokens appended, whether it finished).
 
         Accepting a draft exactly when the draw equals it keeps every token distributed as plain sampling would.
-        The cache keeps the accepted tokens only (`PagedCache.rollback`)."""
+        The cache keeps the accepted tokens only: a group that rejected a draft adds (request, tokens kept) to
+        `cuts`, which `_rollback` cuts back with the step's others."""
         drafts = tokens[1:] if phase is Phase.VERIFY else []
         if verified is not None:
             sampled, accepted = verified.tokens, verified.num_accepted
@@ -477,12 +481,18 @@ class LLM:
             if self._append(request, token):
                 return appended, 1
         if accepted < len(drafts):
-            keep = request.num_computed - (len(drafts) - accepted)
-            self.cache.rollback(request.request_id, keep)
+            cuts.append((request, request.num_computed - (len(drafts) - accepted)))
+        return appended, 0
+
+    def _rollback(self, cuts: list[tuple[Request, int]]) -> None:
+        """Cut each request's cache (and drafter) back to its kept tokens, the cache's in one call for the step."""
+        if not cuts:
+            return
+        self.cache.rollback_many([(r.request_id, keep) for r, keep in cuts])
+        for request, keep in cuts:
             request.num_computed = keep
             if self.speculative is not None:
                 self.speculative.rollback(request, keep)
-        return appended, 0
 
     def _record_prompt_logprobs(self, request: Request, tokens: list[int], logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens 1.. from the chunk's rows (row j predicts the token after chunk token j)."""

@@ -192,8 +192,9 @@ def test_kernels_per_replayed_decode_step_are_recorded(batch, record_property):
 
 
 def _verify_then_rollback(llm: LLM, prompts: list[list[int]], k: int, keep: list[int]):
-    """One verify step of 1 + k tokens per sequence, then each sequence cut back to its first keep[i] tokens of
-    the group: the cache's verify records (cloned) and the KDA states after the rollback."""
+    """One verify step of 1 + k tokens per sequence, then every sequence cut back to its first keep[i] tokens of
+    the group in one `rollback_many`, as `LLM.step` does: the cache's verify records (cloned) and the KDA states
+    after the rollback."""
     requests = _prefilled(llm, prompts)
     for i, r in enumerate(requests):
         r.draft_token_ids = [(5 * i + j) % 100 + 3 for j in range(k)]
@@ -205,8 +206,7 @@ def _verify_then_rollback(llm: LLM, prompts: list[list[int]], k: int, keep: list
         for layer, recs in llm.cache.verify_records.items()
         for s, rec in recs.items()
     }
-    for r, n in zip(requests, keep):
-        llm.cache.rollback(r.request_id, r.num_computed + n)
+    llm.cache.rollback_many([(r.request_id, r.num_computed + n) for r, n in zip(requests, keep)])
     slots = [llm.cache.ledger.seqs[r.request_id].slot for r in requests]
     states = {i: (llm.cache.conv[i][slots].clone(), llm.cache.recurrent[i][slots].clone()) for i in llm.cache.conv}
     return records, states
@@ -235,6 +235,31 @@ def test_graph_verify_records_and_rollback_equal_eager(device):
     for i, (conv, recurrent) in states.items():
         torch.testing.assert_close(conv, eager_states[i][0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(recurrent, eager_states[i][1], rtol=1e-4, atol=1e-4)
+
+
+def test_rollback_many_checks_every_cut_before_applying_any():
+    """A cut outside its group raises and leaves the other sequences' states and lengths as they were; one at a
+    time, the same cuts give what `rollback_many` gives."""
+    model, prompts, k = _model("cpu"), _prompts(3), 4
+    _, together = _verify_then_rollback(_llm(model, True), prompts, k, [1, 3, 5])
+    llm = _llm(model, True)
+    requests = _prefilled(llm, prompts)
+    for i, r in enumerate(requests):
+        r.draft_token_ids = [(5 * i + j) % 100 + 3 for j in range(k)]
+    llm.runner.run(llm.scheduler.schedule())
+    slots = [llm.cache.ledger.seqs[r.request_id].slot for r in requests]
+    before = {i: (conv[slots].clone(), llm.cache.recurrent[i][slots].clone()) for i, conv in llm.cache.conv.items()}
+    lengths = [llm.cache.ledger.seqs[r.request_id].length for r in requests]
+    bad = [(requests[0].request_id, lengths[0] - 1), (requests[1].request_id, lengths[1] - 1 - k)]
+    with pytest.raises(ValueError, match="only be cut back inside the last step's verify group"):
+        llm.cache.rollback_many(bad)
+    assert [llm.cache.ledger.seqs[r.request_id].length for r in requests] == lengths
+    for i, (conv, recurrent) in before.items():
+        assert torch.equal(llm.cache.conv[i][slots], conv) and torch.equal(llm.cache.recurrent[i][slots], recurrent)
+    for r, n in zip(requests, [1, 3, 5]):
+        llm.cache.rollback(r.request_id, r.num_computed + n)
+    for i, (conv, recurrent) in together.items():
+        assert torch.equal(llm.cache.conv[i][slots], conv) and torch.equal(llm.cache.recurrent[i][slots], recurrent)
 
 
 @DEVICES

@@ -126,14 +126,15 @@ def _run_with_rollbacks(llm, prompts_, reference, k):
     """Run to the end with forced drafts. Returns (outputs, per step {request: (length, pages)} with the step's
     reported pages_in_use, and per rollback (pages before, kept tokens, pages after, free pages after))."""
     ledger, rollbacks, trace = llm.cache.ledger, [], []
-    rollback = llm.cache.rollback
+    rollback_many = llm.cache.rollback_many
 
-    def spied(seq_id, num_keep):
-        before = list(ledger.seqs[seq_id].pages)
-        rollback(seq_id, num_keep)
-        rollbacks.append((before, num_keep, list(ledger.seqs[seq_id].pages), set(ledger.free_pages)))
+    def spied(cuts):
+        before = [list(ledger.seqs[seq_id].pages) for seq_id, _ in cuts]
+        rollback_many(cuts)
+        for pages, (seq_id, num_keep) in zip(before, cuts):
+            rollbacks.append((pages, num_keep, list(ledger.seqs[seq_id].pages), set(ledger.free_pages)))
 
-    llm.cache.rollback = spied
+    llm.cache.rollback_many = spied
     requests = [llm._make_request(p, GREEDY) for p in prompts_]
     for r in requests:
         llm.scheduler.add(r)

@@ -28,20 +28,24 @@ BLOCK = 1024  # elements a program copies
 
 @triton.jit
 def restore_kernel(
-    rec_pools, conv_pools, states, inputs, conv_before, slots, accepted, N, G, STATE, WIDTH, C, REC_BLOCKS,
-    s_rec_l, s_rec_s, s_conv_l, s_conv_s, s_conv_r, s_st_l, s_st_r, s_in_l, s_in_r, s_cb_l, s_cb_s, s_cb_r,
-    s_acc, BLOCK: tl.constexpr,
+    rec_pools, conv_pools, states, inputs, conv_before, slots, accepted, scratch_at, N, G, STATE, WIDTH, C,
+    REC_BLOCKS, s_rec_l, s_rec_s, s_conv_l, s_conv_s, s_conv_r, s_st_l, s_st_r, s_in_l, s_in_r, s_cb_l, s_cb_s,
+    s_cb_r, s_acc, HAS_AT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     li = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     layer, i = li // N, li % N
     slot = tl.load(slots + i)
     a = tl.load(accepted + i * s_acc)
+    if HAS_AT:  # the group's first row in states/inputs and its row in conv_before
+        first, seq = tl.load(scratch_at + 2 * i), tl.load(scratch_at + 2 * i + 1)
+    else:
+        first, seq = i * G, i
     e = tl.arange(0, BLOCK)
-    if b < REC_BLOCKS:  # the recurrent state after the group's last kept token (row i * G + a)
+    if b < REC_BLOCKS:  # the recurrent state after the group's last kept token (row first + a)
         o = b * BLOCK + e
         m = o < STATE
-        x = tl.load(states + layer * s_st_l + (i * G + a) * s_st_r + o, mask=m)
+        x = tl.load(states + layer * s_st_l + (first + a) * s_st_r + o, mask=m)
         tl.store(rec_pools + layer * s_rec_l + slot * s_rec_s + o, x, mask=m)
     else:  # the conv window: row r is row a + 1 + r of [conv state before the group; the group's inputs]
         o = (b - REC_BLOCKS) * BLOCK + e
@@ -49,8 +53,8 @@ def restore_kernel(
         r, c = o // C, o % C
         j = a + 1 + r
         before = j < WIDTH
-        x_before = tl.load(conv_before + layer * s_cb_l + i * s_cb_s + j * s_cb_r + c, mask=m & before)
-        x_group = tl.load(inputs + layer * s_in_l + (i * G + j - WIDTH) * s_in_r + c, mask=m & (j >= WIDTH))
+        x_before = tl.load(conv_before + layer * s_cb_l + seq * s_cb_s + j * s_cb_r + c, mask=m & before)
+        x_group = tl.load(inputs + layer * s_in_l + (first + j - WIDTH) * s_in_r + c, mask=m & (j >= WIDTH))
         tl.store(conv_pools + layer * s_conv_l + slot * s_conv_s + r * s_conv_r + c,
                  tl.where(before, x_before, x_group), mask=m)  # fmt: skip
 
@@ -67,11 +71,14 @@ def restore_verified_states_triton(
     slots: torch.Tensor,
     accepted: torch.Tensor,
     group: int,
+    scratch_at: torch.Tensor | None = None,
 ) -> None:
     """Triton form of :func:`kimi_helix.kernels.state_restore.naive.restore_verified_states_ref`: the same
     arguments and writes (recurrent_pools [L, S, H, K, V], conv_pools [L, S, W - 1, C] at `slots` [N]) in one
-    launch, no host sync. Each state row and conv row must be contiguous."""
-    check_restore_args(recurrent_pools, conv_pools, states, inputs, conv_before, slots, accepted, group)
+    launch, no host sync. Each state row and conv row must be contiguous, and so must scratch_at [N, 2]."""
+    check_restore_args(recurrent_pools, conv_pools, states, inputs, conv_before, slots, accepted, group, scratch_at)
+    if scratch_at is not None and not scratch_at.is_contiguous():
+        raise ValueError(f"scratch_at must be contiguous, got strides {scratch_at.stride()}")
     check_triton_device("conv_pools", conv_pools)
     for name, t in (("recurrent_pools", recurrent_pools), ("states", states)):
         if not t[0, 0].is_contiguous():
@@ -86,7 +93,8 @@ def restore_verified_states_triton(
     rec_blocks = cdiv(state, BLOCK)
     grid = (layers * n, rec_blocks + cdiv(width * channels, BLOCK))
     restore_kernel[grid](
-        recurrent_pools, conv_pools, states, inputs, conv_before, slots, accepted, n, group, state, width,
-        channels, rec_blocks, *recurrent_pools.stride()[:2], *conv_pools.stride()[:3], *states.stride()[:2],
-        *inputs.stride()[:2], *conv_before.stride()[:3], accepted.stride(0), BLOCK=BLOCK, num_warps=4,
+        recurrent_pools, conv_pools, states, inputs, conv_before, slots, accepted,
+        slots if scratch_at is None else scratch_at, n, group, state, width, channels, rec_blocks,
+        *recurrent_pools.stride()[:2], *conv_pools.stride()[:3], *states.stride()[:2], *inputs.stride()[:2],
+        *conv_before.stride()[:3], accepted.stride(0), HAS_AT=scratch_at is not None, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip

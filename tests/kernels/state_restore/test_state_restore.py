@@ -61,6 +61,37 @@ def test_reference_follows_the_definition():
     assert rec[:, others].isnan().all() and conv[:, others].isnan().all()
 
 
+def _scattered(conv_dtype, seed: int):
+    """Three groups of 5 tokens taken out of order from a scratch of four, with their rows (`scratch_at`), as the
+    engine's synchronous rollback passes the groups that rejected a draft."""
+    (pools, (states, inputs, conv_before, _, _, group)) = _case(4, 5, conv_dtype, seed=seed)
+    picked = [2, 0, 3]
+    at = torch.tensor([[g * group, g] for g in picked], device=DEVICE)
+    slots, accepted = torch.tensor([4, 1, 5], device=DEVICE), torch.tensor([0, 4, 2], device=DEVICE)
+    return pools, (states, inputs, conv_before, slots, accepted, group, at)
+
+
+@pytest.mark.parametrize("conv_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_matches_reference_at_given_scratch_rows(conv_dtype):
+    case = _scattered(conv_dtype, seed=7)
+    want, got = _run(restore_verified_states_ref, case), _run(restore_verified_states_triton, case)
+    for w, r in zip(want, got):
+        assert torch.equal(w.isnan(), r.isnan()) and torch.equal(w.nan_to_num(), r.nan_to_num())
+
+
+def test_given_scratch_rows_follow_the_definition():
+    case = _scattered(torch.float32, seed=3)
+    rec, conv = _run(restore_verified_states, case)
+    states, inputs, conv_before, slots, accepted, _, at = case[1]
+    for layer in range(L):
+        for slot, a, (first, seq) in zip(slots.tolist(), accepted.tolist(), at.tolist()):
+            assert torch.equal(rec[layer, slot], states[layer, first + a])
+            history = [conv_before[layer, seq, r] for r in range(W1)] + [inputs[layer, first + t] for t in range(a + 1)]
+            assert torch.equal(conv[layer, slot], torch.stack(history[-W1:]))
+    others = [s for s in range(S) if s not in slots.tolist()]
+    assert rec[:, others].isnan().all() and conv[:, others].isnan().all()
+
+
 def test_accepted_may_be_a_strided_view():
     """The engine passes the accepted counts as a column of its verdict buffer [N, G + 1]."""
     (pools, (states, inputs, conv_before, slots, accepted, group)) = _case(3, 5, torch.float32, seed=2)
@@ -77,3 +108,9 @@ def test_mismatched_shapes_are_refused():
         restore_verified_states_ref(rec, conv, states, inputs[:, :, :-1], conv_before, slots, accepted, group)
     with pytest.raises(ValueError, match="accepted must be int64"):
         restore_verified_states_triton(rec, conv, states, inputs, conv_before, slots, accepted.int(), group)
+    at = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"scratch_at must be int64 \[N=2, 2\]"):
+        restore_verified_states_ref(rec, conv, states, inputs, conv_before, slots, accepted, group, at[:, :1])
+    with pytest.raises(ValueError, match="scratch_at must be contiguous"):
+        strided = torch.zeros(2, 3, dtype=torch.int64, device=DEVICE)[:, :2]
+        restore_verified_states_triton(rec, conv, states, inputs, conv_before, slots, accepted, group, strided)
