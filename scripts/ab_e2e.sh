@@ -18,8 +18,7 @@ case $mode in
   pack)
     rev=${2:?$usage}
     mkdir -p "$packs"
-    git ls-tree -r --name-only "$rev" kimi_helix | grep -v '^kimi_helix/assets/' \
-      | xargs git archive --format=tar.gz -o "$packs/$rev.tgz" "$rev"
+    git archive --format=tar.gz -o "$packs/$rev.tgz" "$rev" -- kimi_helix ':(exclude)kimi_helix/assets'
     ls -l "$packs/$rev.tgz"
     ;;
   run)
@@ -36,20 +35,20 @@ case $mode in
     mkdir -p "$out"
     tar -xzf "$packs/$rev.tgz" -C "$base"
     export PYTHONUNBUFFERED=1
-    pythonpath=${PYTHONPATH:-}  # the carried wheels' site, say; each side's package goes before it
+    pythonpath=${PYTHONPATH:-}  # the carried wheels' site, say
+    with_package() { PYTHONPATH="$1${pythonpath:+:$pythonpath}" "${@:2}"; }  # ROOT COMMAND...: ROOT's package first
     sides=("$rev:$base" "$head:$PWD")
     for side in "${sides[@]}"; do  # each side must import its own package, not one installed or in the cwd
       root=${side#*:}
-      pkg=$(cd / && PYTHONPATH="$root${pythonpath:+:$pythonpath}" \
-        python3 -c 'import kimi_helix; print(kimi_helix.__path__[0])')
+      pkg=$(cd / && with_package "$root" python3 -c 'import kimi_helix; print(kimi_helix.__path__[0])')
       [ "$pkg" = "$root/kimi_helix" ] || { echo "kimi_helix imports from $pkg, not $root" >&2; exit 2; }
     done
     for ((i = 1; i <= rounds; i++)); do
       for side in "${sides[@]}"; do
         commit=${side%%:*} root=${side#*:}
         echo "=== round $i: $commit, kimi_helix from $root"
-        PYTHONPATH="$root${pythonpath:+:$pythonpath}" KIMI_HELIX_COMMIT=$commit \
-          python3 scripts/bench_e2e.py "${bench[@]}" --out "$out/ab_$commit.jsonl"
+        KIMI_HELIX_COMMIT=$commit with_package "$root" python3 scripts/bench_e2e.py "${bench[@]}" \
+          --out "$out/ab_$commit.jsonl"
       done
     done 2>&1 | tee "$out/ab.log"
     python3 - "$out" "$rev" "$head" << 'EOF' | tee "$out/ab_summary.txt"
