@@ -105,9 +105,13 @@ def _stuck_after_peer_dies(rank, world, log):
     """Rank 1 is killed; rank 0's main thread sleeps where no collective error can reach it (as behind a CUDA
     synchronisation on an NCCL kernel that waits for the dead peer): only the watchdog can end it."""
     ctx = init_distributed(timeout_s=TIMEOUT_S)
-    sys.stderr = open(log, "w", buffering=1)  # noqa: SIM115 (the watchdog writes here, then ends the process)
+    # rank 1 dies only once rank 0 is past its own set-up: killed while rank 0 still connected its gloo pairs, it
+    # made rank 0's init fail before the watchdog ran
     if rank == 1:
+        ctx.store.wait(["test/rank0_ready"])
         os.kill(os.getpid(), signal.SIGKILL)
+    sys.stderr = open(log, "w", buffering=1)  # noqa: SIM115 (the watchdog writes here, then ends the process)
+    ctx.store.set("test/rank0_ready", "1")
     time.sleep(TIMEOUT_S + MARGIN_S + 30)
     ctx.close()
     return "slept through"
